@@ -52,8 +52,9 @@ esac
 if [ "$mode" = local ]; then
   : "${REPLICAS:=1}" "${NAME:=local-$(date +%Y%m%d-%H%M%S)}" "${PROXY_PORT:=8000}"
 else
-  : "${REPLICAS:=2}" "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"
-  [ "$action" = launch ] && NAME=${RUN_NAME:-grpo-$(date +%Y%m%d-%H%M%S)}
+  if [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
+  else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
+  : "${REPLICAS:=2}"
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
   : "${IMAGE:=vllm/vllm-openai:v0.27.1}"   # vLLM, torch and transformers already inside
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
@@ -214,9 +215,9 @@ submit() {  # ROLE HF-JOBS-RUN-ARGS... — prints the job id
 launch_hf() {
   hf_cli
   [ -n "${BUCKET:-}" ] || die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
-  if [ -z "${HF_TOKEN:-}" ]; then
+  if [ -z "${HF_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then  # `--secrets HF_TOKEN` reads it from here
     HF_TOKEN=$("${HF[@]}" auth token 2>/dev/null | tail -1) || true
-    [ -n "$HF_TOKEN" ] || [ -n "${DRY_RUN:-}" ] || die "no HF token: run 'hf auth login' or set HF_TOKEN"
+    [ -n "$HF_TOKEN" ] || die "no HF token: run 'hf auth login' or set HF_TOKEN"
     export HF_TOKEN
   fi
   mkdir -p "$RUN"
