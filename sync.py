@@ -1,0 +1,423 @@
+"""sync.py — the only code that touches storage: versioned LoRA adapters, trainer state, metrics.
+
+A bucket is a directory (also a mounted bucket, e.g. an HF Jobs volume at /bucket) or
+s3://bucket/prefix through boto3 (AWS S3, R2, MinIO, HF Storage Buckets), set up by the standard
+AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (HF: https://s3.hf.co/<namespace>).
+
+    adapters/v{N:06d}/{adapter_config.json, adapter_model.safetensors, manifest.json}
+    adapters/LATEST     {"version": N}, written only after all of v N and its manifest
+    trainer/STATE       {"id": ID}: the resume state is trainer/ID/ (with its manifest.json)
+    metrics.jsonl       one JSON object per trainer step
+
+A mounted bucket is eventually consistent (a file can appear before its bytes, LATEST before the
+files it names), so pull_adapter hands out a version only once every file matches manifest.json
+(size and sha256), and otherwise retries with backoff up to a timeout.
+
+    python sync.py ls runs/bucket                          # versions, sizes, ages, LATEST
+    python sync.py push runs/bucket ./my-adapter --version 3
+    python sync.py pull s3://my-bucket/run1 ./adapters     # newest -> ./adapters/v000003
+    python -m pytest tests/test_sync.py -q ; python tests/bench_sync.py
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+
+log = logging.getLogger("sync")
+LATEST, STATE, METRICS, MANIFEST = "adapters/LATEST", "trainer/STATE", "metrics.jsonl", "manifest.json"
+VERSION_KEY = re.compile(r"^adapters/v(\d{6,})/")
+
+
+class BucketError(Exception):
+    """Something the user can fix; the message says what was wrong and what to set or do."""
+
+
+class Bucket:
+    """The storage interface: .url, read(key) -> bytes | None, write(key, data: bytes),
+    list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated."""
+
+
+class DirBucket(Bucket):
+    """A local or mounted directory. write() is a temp file + os.replace: a reader sees the old
+    bytes or the new, never half (a mount's upload is still eventually consistent: see above)."""
+
+    def __init__(self, root):
+        self.url = os.path.abspath(os.path.expanduser(root))
+
+    def _path(self, key):
+        return os.path.join(self.url, *key.split("/"))
+
+    def read(self, key):
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def write(self, key, data):
+        path = self._path(key)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                       dir=os.path.dirname(path))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise BucketError(f"cannot write {path}: {e.strerror}; that folder must be writable "
+                              "(mount a bucket read-write) and have free space") from None
+
+    def list(self, prefix=""):
+        keys = []  # walk only the deepest folder the prefix names; skip write()'s temp files
+        for folder, _, names in os.walk(os.path.join(self.url, *prefix.split("/")[:-1])):
+            rel = os.path.relpath(folder, self.url).replace(os.sep, "/")
+            keys += [k for n in names if not (n.startswith(".") and n.endswith(".tmp"))
+                     and (k := n if rel == "." else f"{rel}/{n}").startswith(prefix)]
+        return sorted(keys)
+
+    def delete(self, key):
+        path = self._path(key)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+            while (path := os.path.dirname(path)) != self.url:  # drop folders left empty
+                os.rmdir(path)
+
+
+class S3Bucket(Bucket):
+    """s3://bucket/prefix through boto3, which reads AWS_ENDPOINT_URL and the credentials itself."""
+
+    def __init__(self, url):
+        import boto3
+        from botocore.config import Config
+
+        self.name, _, prefix = url[len("s3://"):].partition("/")
+        self.prefix, self.url = prefix.strip("/"), url.rstrip("/")
+        if not self.name:
+            raise BucketError(f"{url!r} names no bucket: write s3://BUCKET/PREFIX")
+        session = boto3.session.Session()
+        config = Config(  # what HF Storage Buckets need; AWS S3, R2 and MinIO accept it too
+            s3={"addressing_style": "path"},  # bucket in the path, not in the host name
+            request_checksum_calculation="when_required",  # no trailing CRC checksums on PUT
+            response_checksum_validation="when_required",
+            retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)
+        self.client = session.client("s3", region_name=session.region_name or "us-east-1", config=config)
+        self.endpoint = self.client.meta.endpoint_url
+
+    def _key(self, key):
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what, fn):
+        """Run one S3 request; turn botocore's exceptions into a BucketError that says what to set."""
+        from botocore import exceptions as bx
+
+        try:
+            return fn()
+        except (bx.NoCredentialsError, bx.PartialCredentialsError):
+            msg = ("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (for HF "
+                   "Storage Buckets: the S3 key pair generated from your HF token)")
+        except (bx.ConnectionError, bx.HTTPClientError) as e:
+            msg = (f"cannot reach the S3 endpoint {self.endpoint} ({type(e).__name__}): set "
+                   "AWS_ENDPOINT_URL to your store (https://s3.hf.co/<namespace> for HF Storage "
+                   "Buckets; unset for AWS S3) and check the network")
+        except bx.ParamValidationError as e:
+            msg = f"bad S3 request: {e}"
+        except bx.ClientError as e:
+            code, text = e.response["Error"].get("Code", ""), e.response["Error"].get("Message", "")
+            msg = {"NoSuchBucket": f"bucket {self.name!r} does not exist at {self.endpoint}: create "
+                   "it (hf buckets create / aws s3 mb) or fix the bucket name",
+                   "PermanentRedirect": "the bucket lives in another region: set AWS_REGION"}.get(
+                       code, f"{what} failed: {code} {text}")
+            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                        "ExpiredToken", "InvalidToken", "AllAccessDisabled"):
+                msg = (f"access denied ({code}) on {what}: check AWS_ACCESS_KEY_ID / "
+                       "AWS_SECRET_ACCESS_KEY and that they may read (replicas) or write (trainer) it")
+        raise BucketError(f"{self.url}: {msg}")
+
+    def read(self, key):
+        def get():
+            try:
+                return self.client.get_object(Bucket=self.name, Key=self._key(key))["Body"].read()
+            except self.client.exceptions.NoSuchKey:
+                return None
+        return self._call(f"read {key}", get)
+
+    def write(self, key, data):
+        self._call(f"write {key}", lambda: self.client.put_object(
+            Bucket=self.name, Key=self._key(key), Body=data))
+
+    def list(self, prefix=""):
+        full, skip = self._key(prefix), len(self.prefix) + 1 if self.prefix else 0
+
+        def listing():  # ListObjectsV2: HF Storage Buckets do not support V1
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=full)
+            return [o["Key"][skip:] for page in pages for o in page.get("Contents", [])]
+        return sorted(self._call(f"list {prefix or '/'}", listing))
+
+    def delete(self, key):
+        self._call(f"delete {key}", lambda: self.client.delete_object(Bucket=self.name, Key=self._key(key)))
+
+
+def open_bucket(url):
+    """A local path (also a mounted bucket) or s3://bucket/prefix -> Bucket."""
+    url = os.fspath(url)
+    if url.startswith("s3://"):
+        return S3Bucket(url)
+    if url.startswith("hf://"):
+        raise BucketError(f"{url}: mount it (hf jobs run -v hf://buckets/USER/NAME:/bucket) and pass "
+                          "/bucket, or use s3://NAME/prefix with AWS_ENDPOINT_URL=https://s3.hf.co/USER")
+    if not url or "://" in url:
+        raise BucketError(f"unsupported bucket {url!r}: pass a directory or s3://bucket/prefix")
+    return DirBucket(url)
+
+
+def _open(bucket):
+    return open_bucket(bucket) if isinstance(bucket, (str, os.PathLike)) else bucket
+
+
+def _entry(data):
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _try_fetch(b, prefix):
+    """One attempt at manifest.json under prefix and every file it lists.
+    Returns (problem, key, None), or (None, None, {name: bytes}) with the manifest included."""
+    raw, entries = b.read(prefix + MANIFEST), None
+    try:
+        entries = {n: (e["bytes"], e["sha256"]) for n, e in json.loads(raw)["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
+        pass
+    if entries is None:
+        return ("is missing" if raw is None else "is not a complete manifest"), prefix + MANIFEST, None
+    files = {MANIFEST: raw}
+    for name, (size, sha) in sorted(entries.items()):
+        if name.startswith("/") or ".." in name.split("/"):
+            raise BucketError(f"{b.url}: {prefix}{MANIFEST} names an unsafe path {name!r}")
+        data = b.read(prefix + name)
+        if data is None:
+            return "is missing", prefix + name, None
+        if _entry(data) != {"sha256": sha, "bytes": size}:
+            return f"has {len(data)} bytes not matching the manifest ({size} bytes, sha256)", prefix + name, None
+        files[name] = data
+    return None, None, files
+
+
+def _fetch_verified(b, prefix, timeout, what):
+    """Retry _try_fetch with exponential backoff (50 ms .. 2 s) until it succeeds or timeout."""
+    deadline, delay = time.monotonic() + timeout, 0.05
+    while True:
+        problem, key, files = _try_fetch(b, prefix)
+        if problem is None:
+            return files
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {key} {problem}; "
+                              f"check that the writer finished (python sync.py ls {b.url}) and that "
+                              "it was not pruned, or raise the timeout")
+        if delay == 0.05:
+            log.info("%s: waiting for %s: %s %s", b.url, what, key, problem)
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 2.0)
+
+
+def _verified_local(folder):
+    """True when a local folder holds a manifest.json and every file it lists, bytes matching."""
+    return _try_fetch(DirBucket(folder), "")[0] is None
+
+
+def versions(bucket):
+    """Sorted adapter versions that have at least one key in the bucket (complete or not)."""
+    return sorted({int(m.group(1)) for k in _open(bucket).list("adapters/v") if (m := VERSION_KEY.match(k))})
+
+
+def latest_version(bucket):
+    """The version adapters/LATEST names; None when nothing was published (or LATEST is torn)."""
+    raw = _open(bucket).read(LATEST)
+    try:
+        return None if raw is None else int(json.loads(raw)["version"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
+    """Upload the files of a PEFT folder to adapters/v{version:06d}/, then its manifest.json (with
+    meta, e.g. base_model=..., step=...), then adapters/LATEST; then delete all but the newest
+    `keep` versions (None keeps all). An existing version, or one not newer than LATEST, is
+    refused: versions are immutable. Returns the manifest."""
+    b = _open(bucket)
+    if not isinstance(version, int) or version < 0:
+        raise BucketError(f"adapter version must be an int >= 0, got {version!r}")
+    try:
+        names = sorted(n for n in os.listdir(adapter_dir)
+                       if os.path.isfile(os.path.join(adapter_dir, n)) and n != MANIFEST)
+    except OSError as e:
+        raise BucketError(f"cannot read adapter folder {adapter_dir}: {e.strerror}") from None
+    if not names:
+        raise BucketError(f"{adapter_dir} holds no files: pass the folder PEFT's save_pretrained wrote")
+    prefix, latest = f"adapters/v{version:06d}/", latest_version(b)
+    exists = b.read(prefix + MANIFEST) is not None
+    if exists or (latest is not None and version <= latest):
+        raise BucketError(f"{b.url}: adapter v{version:06d} {'already exists' if exists else 'is not newer'} "
+                          f"(LATEST is {latest}): versions are immutable, publish {(latest or 0) + 1} or later")
+    files = {}
+    for name in names:
+        with open(os.path.join(adapter_dir, name), "rb") as f:
+            data = f.read()
+        b.write(prefix + name, data)
+        files[name] = _entry(data)
+    manifest = {**meta, "version": version, "created": time.time(), "files": files}
+    b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
+    b.write(LATEST, json.dumps({"version": version}).encode())
+    for old in versions(b)[:-max(1, keep)] if keep is not None else []:
+        b.delete(f"adapters/v{old:06d}/{MANIFEST}")  # first: readers then see it as incomplete
+        for key in b.list(f"adapters/v{old:06d}/"):
+            b.delete(key)
+    return manifest
+
+
+def pull_adapter(bucket, version, dest_dir, timeout=60.0):
+    """dest_dir/v{version:06d} once every file matches the manifest (retrying up to timeout s,
+    then BucketError naming bucket, version and file). A verified local copy costs no transfer."""
+    b, name = _open(bucket), f"v{version:06d}"
+    dest = os.path.join(dest_dir, name)
+    if _verified_local(dest):
+        return dest
+    files = _fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
+    os.makedirs(dest_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=dest_dir)
+    for fname, data in files.items():
+        DirBucket(tmp).write(fname, data)
+    if os.path.exists(dest) and not _verified_local(dest):
+        shutil.rmtree(dest, ignore_errors=True)  # a torn copy left by a crash
+    try:
+        os.rename(tmp, dest)  # the whole folder at once: nobody sees half of it
+    except OSError:  # another thread or process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _verified_local(dest):
+            raise BucketError(f"could not put adapter {name} into {dest}: remove that folder") from None
+    return dest
+
+
+def save_trainer_state(bucket, local_dir):
+    """Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
+    then delete older states: a crash at any point leaves the previous state loadable."""
+    b, files = _open(bucket), {}
+    for folder, _, names in os.walk(local_dir):
+        for n in names:
+            with open(os.path.join(folder, n), "rb") as f:
+                files[os.path.relpath(f.name, local_dir).replace(os.sep, "/")] = f.read()
+    if MANIFEST in files:
+        raise BucketError(f"{local_dir}/{MANIFEST}: that name is reserved for sync.py's manifest")
+    state_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    prefix = f"trainer/{state_id}/"
+    for rel, data in sorted(files.items()):
+        b.write(prefix + rel, data)
+    manifest = {"id": state_id, "created": time.time(), "files": {k: _entry(v) for k, v in files.items()}}
+    b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
+    b.write(STATE, json.dumps({"id": state_id}).encode())  # the switch: one small object
+    for key in b.list("trainer/"):  # the previous state, and leftovers of crashed saves
+        if key != STATE and not key.startswith(prefix):
+            b.delete(key)
+
+
+def load_trainer_state(bucket, dest_dir, timeout=60.0):
+    """Write the current trainer state's files into dest_dir and return it; None if there is none."""
+    b = _open(bucket)
+    raw = b.read(STATE)
+    if raw is None:
+        return None
+    state_id = json.loads(raw)["id"]  # written whole by save_trainer_state
+    files = _fetch_verified(b, f"trainer/{state_id}/", timeout, f"trainer state {state_id}")
+    os.makedirs(dest_dir, exist_ok=True)
+    for rel, data in files.items():
+        if rel != MANIFEST:
+            DirBucket(dest_dir).write(rel, data)
+    return dest_dir
+
+
+def append_metrics(bucket, record):
+    """Add one JSON line to metrics.jsonl. S3 has no append, so the object is rewritten whole
+    (O(steps) bytes per step, ~100 KB after 500 steps); a reader never sees half a line."""
+    b = _open(bucket)
+    old = (b.read(METRICS) or b"").rstrip(b"\n")
+    b.write(METRICS, old + (b"\n" if old else b"") + json.dumps(record).encode() + b"\n")
+
+
+def read_metrics(bucket):
+    """All records of metrics.jsonl, oldest first ([] when there is none; torn lines skipped)."""
+    records = []
+    for line in (_open(bucket).read(METRICS) or b"").decode().splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
+def listing(bucket):
+    """The table `python sync.py ls` prints."""
+    b = _open(bucket)
+    latest, now = latest_version(b), time.time()
+    lines = [f"{b.url}: LATEST = {'none' if latest is None else f'v{latest:06d}'}",
+             f"{'version':<9} {'files':>5} {'size':>10} {'age':>8} {'step':>6}"]
+    for v in versions(b):
+        raw, mark = b.read(f"adapters/v{v:06d}/{MANIFEST}"), " <- LATEST" if v == latest else ""
+        if raw is None:
+            lines.append(f"v{v:06d}   (incomplete: no manifest.json){mark}")
+            continue
+        m = json.loads(raw)
+        size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+        lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {now - m.get('created', now):>7.0f}s "
+                     f"{str(m.get('step', '-')):>6}{mark}")
+    state = b.read(STATE)
+    lines.append(f"trainer state: {json.loads(state)['id'] if state else 'none'}; "
+                 f"metrics records: {len(read_metrics(b))}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Inspect and move LoRA adapters in a run's bucket.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list adapter versions with sizes, ages and LATEST")
+    pull = sub.add_parser("pull", help="download and verify one adapter version")
+    push = sub.add_parser("push", help="publish a PEFT adapter folder as a new version")
+    for cmd in (ls, pull, push):
+        cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
+    pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")
+    pull.add_argument("--version", type=int, default=None, help="version to pull (default: LATEST)")
+    pull.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds to keep retrying while the files do not match the manifest")
+    push.add_argument("dir", help="folder with adapter_config.json and adapter_model.safetensors")
+    push.add_argument("--version", type=int, required=True, help="version number, newer than LATEST")
+    push.add_argument("--keep", type=int, default=6, help="newest versions kept; older ones are deleted")
+    args = p.parse_args(argv)
+    logging.basicConfig(format="sync.py: %(message)s")  # our retry notes; boto3 stays quiet
+    log.setLevel(logging.INFO)
+    try:
+        if args.cmd == "ls":
+            print(listing(args.bucket))
+        elif args.cmd == "pull":
+            b = open_bucket(args.bucket)
+            version = latest_version(b) if args.version is None else args.version
+            if version is None:
+                raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one "
+                                  "first (python sync.py push BUCKET DIR --version 0)")
+            print(pull_adapter(b, version, args.dest, timeout=args.timeout))
+        else:
+            m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep)
+            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+            print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to {args.bucket}")
+    except BucketError as e:
+        sys.exit(f"sync.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

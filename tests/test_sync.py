@@ -1,0 +1,391 @@
+"""Tests of sync.py against a directory and a real S3 server (moto_server on 127.0.0.1).
+
+    cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_sync.py -q
+
+Nothing of sync.py is mocked: eventual consistency is simulated by writing the bucket's files by
+hand in the wrong order, and the crash of a trainer-state save is a real SIGKILL of a real save.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import sync
+from conftest import ROOT, free_port, wait_port
+
+
+def make_adapter(folder, size=4096):
+    """A fake PEFT folder with distinct random content; returns {name: bytes}."""
+    os.makedirs(folder, exist_ok=True)
+    weights = os.urandom(size)
+    files = {"adapter_model.safetensors": weights,
+             "adapter_config.json": json.dumps({"r": 8, "tag": weights[:8].hex()}).encode()}
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    return files
+
+
+def read_folder(folder, skip=("manifest.json",)):
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), folder).replace(os.sep, "/")
+            if rel not in skip:
+                with open(os.path.join(d, n), "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "sync.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_empty_bucket(bucket_url, tmp_path):
+    assert sync.latest_version(bucket_url) is None
+    assert sync.versions(bucket_url) == []
+    assert sync.read_metrics(bucket_url) == []
+    assert sync.load_trainer_state(bucket_url, str(tmp_path / "state")) is None
+
+
+def test_publish_pull_round_trip(bucket_url, tmp_path):
+    content = make_adapter(tmp_path / "a0")
+    manifest = sync.publish_adapter(bucket_url, str(tmp_path / "a0"), 0, base_model="tiny", step=0)
+    assert manifest["version"] == 0 and manifest["base_model"] == "tiny" and manifest["step"] == 0
+    assert manifest["files"] == {n: {"sha256": hashlib.sha256(d).hexdigest(), "bytes": len(d)}
+                                 for n, d in content.items()}
+    b = sync.open_bucket(bucket_url)
+    assert b.list("adapters/") == ["adapters/LATEST", "adapters/v000000/adapter_config.json",
+                                   "adapters/v000000/adapter_model.safetensors",
+                                   "adapters/v000000/manifest.json"]
+    assert json.loads(b.read("adapters/LATEST")) == {"version": 0}
+    assert sync.latest_version(b) == 0
+
+    dest = sync.pull_adapter(bucket_url, 0, str(tmp_path / "pulled"))
+    assert dest == str(tmp_path / "pulled" / "v000000")
+    assert read_folder(dest) == content
+    assert json.loads(open(os.path.join(dest, "manifest.json")).read()) == manifest
+
+    weights = os.path.join(dest, "adapter_model.safetensors")
+    with open(weights, "wb") as f:  # a corrupted local copy is not trusted: fetched again
+        f.write(b"garbage")
+    assert read_folder(sync.pull_adapter(b, 0, str(tmp_path / "pulled"))) == content
+
+    for key in b.list("adapters/v000000/"):  # a verified local copy costs no transfer at all
+        b.delete(key)
+    assert b.list("adapters/v000000/") == []
+    assert read_folder(sync.pull_adapter(b, 0, str(tmp_path / "pulled"))) == content
+
+    with open(weights, "wb") as f:  # ...but only while it verifies
+        f.write(b"garbage")
+    with pytest.raises(sync.BucketError, match="v000000"):
+        sync.pull_adapter(b, 0, str(tmp_path / "pulled"), timeout=0.3)
+
+
+def test_refuses_republishing(bucket_url, tmp_path):
+    first = make_adapter(tmp_path / "a")
+    sync.publish_adapter(bucket_url, str(tmp_path / "a"), 0)
+    sync.publish_adapter(bucket_url, str(tmp_path / "a"), 1, keep=1)  # v0 is pruned
+    assert sync.versions(bucket_url) == [1]
+    make_adapter(tmp_path / "b")
+    with pytest.raises(sync.BucketError, match=r"v000001 already exists \(LATEST is 1\).*publish 2 or later"):
+        sync.publish_adapter(bucket_url, str(tmp_path / "b"), 1)
+    with pytest.raises(sync.BucketError, match=r"v000000 is not newer \(LATEST is 1\)"):
+        sync.publish_adapter(bucket_url, str(tmp_path / "b"), 0)  # gone, but its number was used
+    with pytest.raises(sync.BucketError, match="int >= 0"):
+        sync.publish_adapter(bucket_url, str(tmp_path / "b"), -1)
+    assert sync.latest_version(bucket_url) == 1
+    assert read_folder(sync.pull_adapter(bucket_url, 1, str(tmp_path / "p"))) == first
+
+
+def test_prune_keeps_newest(bucket_url, tmp_path):
+    for v in range(8):
+        make_adapter(tmp_path / f"a{v}", size=256)
+        sync.publish_adapter(bucket_url, str(tmp_path / f"a{v}"), v, keep=3)
+    assert sync.versions(bucket_url) == [5, 6, 7]
+    b = sync.open_bucket(bucket_url)
+    assert {k.split("/")[1] for k in b.list("adapters/")} == {"LATEST", "v000005", "v000006", "v000007"}
+    assert read_folder(sync.pull_adapter(b, 5, str(tmp_path / "p"))) == read_folder(tmp_path / "a5")
+    with pytest.raises(sync.BucketError, match="v000004"):
+        sync.pull_adapter(b, 4, str(tmp_path / "p"), timeout=0.2)
+    make_adapter(tmp_path / "a8", size=256)
+    sync.publish_adapter(b, str(tmp_path / "a8"), 8, keep=None)
+    assert sync.versions(b) == [5, 6, 7, 8]
+
+
+def test_metrics(bucket_url):
+    records = [{"step": i, "reward": i / 10, "staleness": [0, 1]} for i in range(3)]
+    for r in records:
+        sync.append_metrics(bucket_url, r)
+    assert sync.read_metrics(bucket_url) == records
+
+
+def test_trainer_state_round_trip(bucket_url, tmp_path):
+    state = tmp_path / "state"
+    (state / "rng").mkdir(parents=True)
+    first = {"adapter_model.safetensors": os.urandom(3000), "optimizer.pt": os.urandom(5000),
+             "rng/cuda.bin": os.urandom(100), "trainer.json": b'{"step": 10, "version": 2}'}
+    for rel, data in first.items():
+        (state / rel).write_bytes(data)
+    sync.save_trainer_state(bucket_url, str(state))
+    assert read_folder(sync.load_trainer_state(bucket_url, str(tmp_path / "l1")), skip=()) == first
+
+    (state / "optimizer.pt").write_bytes(b"newer")
+    sync.save_trainer_state(bucket_url, str(state))
+    assert read_folder(sync.load_trainer_state(bucket_url, str(tmp_path / "l2")), skip=()) == {
+        **first, "optimizer.pt": b"newer"}
+    b = sync.open_bucket(bucket_url)
+    state_id = json.loads(b.read("trainer/STATE"))["id"]
+    assert all(k == "trainer/STATE" or k.startswith(f"trainer/{state_id}/") for k in b.list("trainer/"))
+
+
+def test_concurrent_publish_and_pull(bucket_url, tmp_path):
+    """One writer publishes as fast as it can (pruning to keep=4) while 3 readers pull LATEST over
+    and over: every adapter a reader gets is byte for byte what the writer published as that version."""
+    n_versions = 40
+    published, done = {}, threading.Event()
+    results = {"ok": 0, "pruned": 0, "during_write": set(), "bad": []}
+    lock = threading.Lock()
+
+    def writer():
+        b = sync.open_bucket(bucket_url)
+        try:
+            for v in range(n_versions):
+                published[v] = make_adapter(tmp_path / "w" / f"a{v}", size=64 * 1024)
+                sync.publish_adapter(b, str(tmp_path / "w" / f"a{v}"), v, keep=4)
+        finally:
+            done.set()
+
+    def reader(i):
+        b = sync.open_bucket(bucket_url)
+        while True:
+            finished = done.is_set()
+            v = sync.latest_version(b)
+            if v is not None:
+                try:
+                    dest = sync.pull_adapter(b, v, str(tmp_path / f"r{i}"), timeout=0.5)
+                    got = read_folder(dest)
+                    shutil.rmtree(dest)  # so that every pull is a real transfer
+                except sync.BucketError as e:  # fine only if the writer pruned v meanwhile
+                    still_there = v in sync.versions(b)
+                    with lock:
+                        results["bad" if still_there else "pruned"] += [str(e)] if still_there else 1
+                    continue
+                with lock:
+                    if got != published[v]:
+                        results["bad"].append(f"reader {i} got wrong bytes for v{v}")
+                    results["ok"] += 1
+                    if not finished:
+                        results["during_write"].add(v)
+            if finished:
+                return
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert results["bad"] == []
+    assert sync.latest_version(bucket_url) == n_versions - 1 and len(published) == n_versions
+    assert results["ok"] >= 10, results
+    assert len(results["during_write"]) >= 3, results  # the readers really raced the writer
+
+
+def _scratch_version(tmp_path, version):
+    """The exact keys publish_adapter writes for one version, taken from a scratch bucket."""
+    make_adapter(tmp_path / "src", size=50_000)
+    scratch = sync.open_bucket(str(tmp_path / "scratch"))
+    sync.publish_adapter(scratch, str(tmp_path / "src"), version)
+    return {k: scratch.read(k) for k in scratch.list(f"adapters/v{version:06d}/")}
+
+
+def _put(root, key, data):  # what a mount shows: the file in place, bytes as they are right now
+    path = os.path.join(root, *key.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_eventual_consistency_reader_waits(tmp_path):
+    """LATEST is visible before the version's files; then the files appear with wrong bytes (one
+    truncated, one the right size but other bytes). The reader waits and loads only the real thing."""
+    keys = _scratch_version(tmp_path, 1)
+    root = str(tmp_path / "bucket")
+    _put(root, "adapters/LATEST", b'{"version": 1}')
+    out = {}
+
+    def read():
+        v = sync.latest_version(root)
+        out["dest"] = sync.pull_adapter(root, v, str(tmp_path / "pulled"), timeout=30)
+        out["at"] = time.monotonic()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.4)
+    assert reader.is_alive()  # nothing but LATEST yet
+    weights, config = "adapters/v000001/adapter_model.safetensors", "adapters/v000001/adapter_config.json"
+    _put(root, "adapters/v000001/manifest.json", keys["adapters/v000001/manifest.json"])
+    _put(root, weights, keys[weights][:1000])
+    _put(root, config, bytes(len(keys[config])))
+    time.sleep(0.6)
+    assert reader.is_alive() and not os.path.exists(tmp_path / "pulled" / "v000001")
+
+    def land():  # another thread: the mount finishes its uploads
+        out["landed"] = time.monotonic()
+        _put(root, config, keys[config])
+        _put(root, weights, keys[weights])
+    lander = threading.Thread(target=land)
+    lander.start()
+    lander.join()
+    reader.join(timeout=30)
+    assert out["at"] >= out["landed"]
+    assert read_folder(out["dest"], skip=()) == {k.split("/")[-1]: d for k, d in keys.items()}
+
+
+def test_eventual_consistency_timeout_names_the_file(tmp_path):
+    keys = _scratch_version(tmp_path, 3)
+    root = str(tmp_path / "bucket")
+    _put(root, "adapters/LATEST", b'{"version": 3}')
+    for key in ("adapters/v000003/manifest.json", "adapters/v000003/adapter_config.json"):
+        _put(root, key, keys[key])  # adapter_model.safetensors never lands
+    start = time.monotonic()
+    with pytest.raises(sync.BucketError) as err:
+        sync.pull_adapter(root, sync.latest_version(root), str(tmp_path / "pulled"), timeout=1.0)
+    assert 1.0 <= time.monotonic() - start < 5.0
+    msg = str(err.value)
+    assert root in msg and "v000003" in msg and "adapters/v000003/adapter_model.safetensors is missing" in msg
+    assert not os.path.exists(tmp_path / "pulled" / "v000003")
+
+
+def test_kill_during_trainer_state_save(bucket_url, tmp_path):
+    """SIGKILL a real save of a big state half-way: the previous state still loads intact."""
+    small = tmp_path / "small"
+    small.mkdir()
+    before = {"trainer.json": b'{"step": 5}', "optimizer.pt": os.urandom(2000)}
+    for rel, data in before.items():
+        (small / rel).write_bytes(data)
+    sync.save_trainer_state(bucket_url, str(small))
+    b = sync.open_bucket(bucket_url)
+    old_id = json.loads(b.read("trainer/STATE"))["id"]
+
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(2000):  # many files, so that the save takes long enough to be caught midway
+        (big / f"shard{i:04d}.bin").write_bytes(os.urandom(4096))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, sync; sync.save_trainer_state(*sys.argv[1:])",
+                             bucket_url, str(big)], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        new = [k for k in b.list("trainer/") if k != "trainer/STATE" and not k.startswith(f"trainer/{old_id}/")]
+        if len(new) >= 5:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    assert proc.wait(timeout=30) == -signal.SIGKILL, "the save ended before it could be killed"
+    assert json.loads(b.read("trainer/STATE"))["id"] == old_id
+    assert read_folder(sync.load_trainer_state(b, str(tmp_path / "loaded")), skip=()) == before
+
+    (small / "trainer.json").write_bytes(b'{"step": 6}')  # the next save also clears the leftovers
+    sync.save_trainer_state(b, str(small))
+    new_id = json.loads(b.read("trainer/STATE"))["id"]
+    assert all(k == "trainer/STATE" or k.startswith(f"trainer/{new_id}/") for k in b.list("trainer/"))
+    assert sync.load_trainer_state(b, str(tmp_path / "loaded2"))
+    assert (tmp_path / "loaded2" / "trainer.json").read_bytes() == b'{"step": 6}'
+
+
+def test_cli(bucket_url, tmp_path):
+    r = run_cli("pull", bucket_url, tmp_path / "p")
+    assert r.returncode == 1 and r.stderr.startswith("sync.py: error:") and "no adapter yet" in r.stderr
+    content = make_adapter(tmp_path / "a")
+    r = run_cli("push", bucket_url, tmp_path / "a", "--version", 0)
+    assert r.returncode == 0 and "published v000000" in r.stdout, r.stderr
+    r = run_cli("push", bucket_url, tmp_path / "a", "--version", 0)
+    assert r.returncode == 1 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1
+    r = run_cli("ls", bucket_url)
+    assert r.returncode == 0 and "LATEST = v000000" in r.stdout and "v000000" in r.stdout.split("\n")[2]
+    r = run_cli("pull", bucket_url, tmp_path / "p")
+    assert r.returncode == 0 and r.stdout.strip() == str(tmp_path / "p" / "v000000"), r.stderr
+    assert read_folder(tmp_path / "p" / "v000000") == content
+    r = run_cli("pull", bucket_url, tmp_path / "p", "--version", 7, "--timeout", 0.2)
+    assert r.returncode == 1 and "adapters/v000007/manifest.json is missing" in r.stderr
+
+
+def test_import_without_torch():
+    code = "import sys, sync; assert 'torch' not in sys.modules and 'boto3' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_bad_urls():
+    with pytest.raises(sync.BucketError, match="mount it"):
+        sync.open_bucket("hf://buckets/me/run")
+    with pytest.raises(sync.BucketError, match="a directory or s3://bucket/prefix"):
+        sync.open_bucket("gs://bucket/x")
+
+
+def test_missing_s3_bucket(s3_server, tmp_path):
+    url = "s3://no-such-bucket-4242/run"
+    with pytest.raises(sync.BucketError, match="bucket 'no-such-bucket-4242' does not exist"):
+        sync.latest_version(url)
+    make_adapter(tmp_path / "a")
+    with pytest.raises(sync.BucketError, match="does not exist.*create it"):
+        sync.publish_adapter(url, str(tmp_path / "a"), 0)
+    r = run_cli("ls", url)
+    assert r.returncode == 1 and r.stderr.startswith("sync.py: error: s3://no-such-bucket-4242/run: bucket")
+    assert "Traceback" not in r.stderr
+
+
+def test_unreachable_endpoint(monkeypatch):
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    start = time.monotonic()
+    with pytest.raises(sync.BucketError, match=f"cannot reach the S3 endpoint http://127.0.0.1:{port}.*AWS_ENDPOINT_URL"):
+        sync.latest_version("s3://bucket/run")
+    assert time.monotonic() - start < 20
+
+
+def test_no_credentials(monkeypatch, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(sync.BucketError, match="no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        sync.latest_version("s3://bucket/run")
+
+
+def test_wrong_credentials(monkeypatch):
+    """A second moto server that checks signatures (INITIAL_NO_AUTH_ACTION_COUNT=1: only the
+    create_bucket below goes unchecked): made-up keys are refused with InvalidAccessKeyId."""
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                             "-p", str(port)], env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "made-up")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "made-up")
+        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="locked")
+        with pytest.raises(sync.BucketError, match=r"access denied \(InvalidAccessKeyId\).*AWS_ACCESS_KEY_ID"):
+            sync.latest_version("s3://locked/run")
+    finally:
+        proc.kill()
+        proc.wait()
