@@ -1,0 +1,620 @@
+"""proxy.py — the rollout buffer between the rollout replicas and the trainer, on the stdlib.
+
+Replicas POST scored groups of completions; the trainer long-polls GET /batch for fresh ones and
+POSTs /version after every adapter it publishes. A group more than --max-staleness versions behind
+the trainer is dropped and counted, never handed out. API and accounting: README.md.
+
+    python proxy.py --host 127.0.0.1 --port 8000 --max-staleness 4              # local
+    PROXY_TOKEN=secret python proxy.py --host 0.0.0.0 --port 8000               # exposed: token required
+    python proxy.py --tls-cert cert.pem --tls-key key.pem ...                   # self-hosted HTTPS
+    python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q            # tests
+    python tests/bench_proxy.py                                                 # vs FastAPI + uvicorn
+
+The server needs nothing but the standard library. ProxyClient, which rollout.py and trainer.py
+use, imports `requests` when it is created.
+"""
+
+import argparse
+import collections
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import socketserver
+import ssl
+import sys
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
+
+log = logging.getLogger("proxy")
+
+MAX_POLL_S = 300.0      # longest GET /batch wait; a longer ?timeout= is cut to this
+MAX_NAME = 256          # characters in a group_id or a worker name
+MAX_COMPLETIONS = 4096  # completions in one group
+MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
+MAX_ABS = 1e30          # |log-prob| and |reward| below this; also rejects NaN and +-Infinity
+MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
+RETRY_AFTER_S = 1       # what a 429 tells a replica to wait
+GROUP_KEYS = {"group_id", "policy_version", "worker", "prompt", "prompt_ids", "completions"}
+COMPLETION_KEYS = {"ids", "logprobs", "reward", "text", "finish_reason"}
+ROUTES = {("POST", "/rollouts"): "rollouts", ("GET", "/batch"): "batch", ("POST", "/version"): "version",
+          ("GET", "/stats"): "stats", ("GET", "/healthz"): "healthz"}
+
+
+class ProxyError(Exception):
+    """An answer that retrying cannot fix (4xx other than 429), or the client gave up waiting."""
+
+
+class ConfigError(ValueError):
+    """A serve() setting that cannot work; the message says what to change."""
+
+
+class ApiError(Exception):
+    """A refused request: HTTP status `code` (400: malformed), a message naming the field or what to do."""
+
+    def __init__(self, message, code=400, headers=None):
+        super().__init__(message)
+        self.code, self.headers = code, headers or {}
+
+
+# ---- validation: pure functions, also used by tests/bench_proxy.py ---------------------------
+
+def _check(ok, where, what):
+    if not ok:
+        raise ApiError(f"{where}: {what}")
+
+
+def _get(d, key, where):
+    _check(key in d, f"{where}.{key}", "missing")
+    return d[key]
+
+
+def _string(d, key, where, limit=None):
+    v = _get(d, key, where)
+    _check(type(v) is str, f"{where}.{key}", f"must be a string, got {type(v).__name__}")
+    _check(limit is None or 0 < len(v) <= limit, f"{where}.{key}", f"must have 1 to {limit} characters")
+    return v
+
+
+def _ints(xs, where):
+    _check(type(xs) is list, where, f"must be a list of token ids, got {type(xs).__name__}")
+    _check(all(type(x) is int for x in xs), where, "must hold integers only")
+    _check(not xs or (min(xs) >= 0 and max(xs) < MAX_INT), where, f"token ids must lie in [0, {MAX_INT})")
+
+
+def _keys(d, where, allowed):
+    extra = set(d) - allowed
+    _check(not extra, where, f"unknown fields {sorted(extra)[:5]} (expected {sorted(allowed)})")
+
+
+def _number(x):  # bool is not a number here; NaN fails both comparisons
+    return (type(x) is float or type(x) is int) and -MAX_ABS < x < MAX_ABS
+
+
+def validate_group(g, where="group", num_generations=None):
+    """Raise ApiError naming the first bad field of one group (the schema is in README.md)."""
+    _check(type(g) is dict, where, "must be a JSON object")
+    _keys(g, where, GROUP_KEYS)
+    _string(g, "group_id", where, MAX_NAME)
+    _string(g, "worker", where, MAX_NAME)
+    _string(g, "prompt", where)
+    v = _get(g, "policy_version", where)
+    _check(type(v) is int and 0 <= v < MAX_INT, f"{where}.policy_version", f"must be an integer in [0, {MAX_INT})")
+    _ints(_get(g, "prompt_ids", where), f"{where}.prompt_ids")
+    comps = _get(g, "completions", where)
+    _check(type(comps) is list and comps, f"{where}.completions", "must be a non-empty list")
+    if num_generations and len(comps) != num_generations:
+        raise ApiError(f"{where}.completions: {len(comps)} completions, but this proxy expects {num_generations} "
+                       f"per group: start rollout.py with --num-generations {num_generations}")
+    _check(len(comps) <= MAX_COMPLETIONS, f"{where}.completions", f"more than {MAX_COMPLETIONS} completions")
+    for j, c in enumerate(comps):
+        w = f"{where}.completions[{j}]"
+        _check(type(c) is dict, w, "must be a JSON object")
+        _keys(c, w, COMPLETION_KEYS)
+        ids, lps = _get(c, "ids", w), _get(c, "logprobs", w)
+        _ints(ids, f"{w}.ids")
+        _check(type(lps) is list, f"{w}.logprobs", "must be a list of numbers")
+        bad = next((i for i, x in enumerate(lps) if not _number(x)), None)
+        if bad is not None:
+            raise ApiError(f"{w}.logprobs[{bad}]: must be a finite number, got {str(lps[bad])[:40]}")
+        _check(len(lps) == len(ids), f"{w}.logprobs", f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
+        _check(_number(_get(c, "reward", w)), f"{w}.reward", "must be a finite number")
+        _string(c, "text", w)
+        _string(c, "finish_reason", w, 64)
+
+
+def validate_rollouts(payload, max_groups, num_generations=None):
+    """The groups of a POST /rollouts body, every one checked before anything is changed."""
+    _check(type(payload) is dict, "body", 'must be a JSON object {"groups": [...]}')
+    _keys(payload, "body", {"groups"})
+    groups = _get(payload, "groups", "body")
+    _check(type(groups) is list and groups, "groups", "must be a non-empty list of groups")
+    _check(len(groups) <= max_groups, "groups", f"{len(groups)} groups in one POST exceed --max-groups {max_groups}")
+    for i, g in enumerate(groups):
+        validate_group(g, f"groups[{i}]", num_generations)
+    return groups
+
+
+def parse_json(body):
+    """NaN and Infinity parse (as Python's json does) so that validation can name their field."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, ints over 4300 digits, deep nesting
+        raise ApiError(f"body: not valid JSON ({str(e)[:120]})") from None
+
+
+def parse_batch_query(query, max_groups):
+    """(groups, timeout) from the query string of GET /batch?groups=N&timeout=S."""
+    try:
+        q = parse_qs(query, keep_blank_values=True, max_num_fields=4)
+    except ValueError:
+        raise ApiError("query: too many parameters (expected groups and timeout)") from None
+    _check(set(q) <= {"groups", "timeout"}, "query", f"unknown parameters {sorted(set(q) - {'groups', 'timeout'})}")
+    _check(all(len(v) == 1 for v in q.values()), "query", "a parameter is given twice")
+    n = q.get("groups", [""])[0]
+    _check(n.isascii() and n.isdigit() and len(n) <= 12 and 1 <= int(n) <= max_groups, "groups",
+           f"must be an integer in [1, {max_groups}]")
+    try:
+        timeout = float(q.get("timeout", ["0"])[0])
+    except ValueError:
+        timeout = -1.0
+    _check(0.0 <= timeout < float("inf"), "timeout", "must be a number of seconds >= 0")
+    return int(n), min(timeout, MAX_POLL_S)
+
+
+# ---- the buffer: all state and counters under one lock ---------------------------------------
+
+class RolloutBuffer:
+    """Bounded FIFO of usable groups. accepted = delivered + dropped_stale + buffered, always."""
+
+    def __init__(self, max_staleness=4, max_groups=4096, remember_ids=1_000_000):
+        self.max_staleness, self.max_groups, self.remember_ids = max_staleness, max_groups, remember_ids
+        self.cond = threading.Condition()
+        self.groups = collections.deque()
+        self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
+        self.counts = dict.fromkeys(["received", "accepted", "duplicates", "refused_full", "rejected",
+                                     "dropped_stale", "delivered"], 0)
+        self.trainer_version, self.closed, self.started = 0, False, time.time()
+        self.staleness = collections.Counter()  # trainer_version - policy_version of delivered groups
+        self.workers = {}
+
+    def _usable(self, g):
+        return self.trainer_version - g["policy_version"] <= self.max_staleness
+
+    def _worker(self, name):
+        if name not in self.workers and len(self.workers) >= MAX_WORKERS:
+            name = "(other)"
+        return self.workers.setdefault(name, dict.fromkeys(["accepted", "duplicates", "dropped_stale", "delivered"], 0))
+
+    def add(self, groups):
+        """Buffer the new, fresh groups of a validated POST; None (nothing kept) when they don't fit."""
+        with self.cond:
+            new, ids, dups = [], set(), []
+            for g in groups:
+                (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
+                ids.add(g["group_id"])
+            fresh = [g for g in new if self._usable(g)]
+            self.counts["received"] += len(groups)
+            if len(self.groups) + len(fresh) > self.max_groups:
+                self.counts["refused_full"] += len(groups)
+                return None
+            for g in new:
+                self.seen.add(g["group_id"])
+                self.seen_order.append(g["group_id"])
+                self._worker(g["worker"])["accepted"] += 1
+                if not self._usable(g):
+                    self._worker(g["worker"])["dropped_stale"] += 1
+            while len(self.seen_order) > self.remember_ids:
+                self.seen.discard(self.seen_order.popleft())
+            for g in dups:
+                self._worker(g["worker"])["duplicates"] += 1
+            self.counts["accepted"] += len(new)
+            self.counts["duplicates"] += len(dups)
+            self.counts["dropped_stale"] += len(new) - len(fresh)
+            self.groups.extend(fresh)
+            self.cond.notify_all()
+            return {"accepted": len(new), "duplicates": len(dups), "stale": len(new) - len(fresh),
+                    "trainer_version": self.trainer_version}
+
+    def take(self, n, timeout):
+        """Up to n groups, oldest first, waiting up to `timeout` s for n to be there (no busy wait).
+        The buffer only ever holds usable groups: stale ones are dropped on arrival and on /version."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while len(self.groups) < n and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            out = [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
+            for g in out:
+                self.staleness[self.trainer_version - g["policy_version"]] += 1
+                self._worker(g["worker"])["delivered"] += 1
+            self.counts["delivered"] += len(out)
+            return out, self.trainer_version
+
+    def set_version(self, version):
+        """The trainer is now at `version`: drop the groups that became stale."""
+        with self.cond:
+            if version < self.trainer_version:
+                raise ApiError(f"version {version} is lower than this proxy's trainer_version {self.trainer_version} "
+                               "(a trainer resumed from older state? restart the proxy)", 409)
+            self.trainer_version = version
+            kept = collections.deque(g for g in self.groups if self._usable(g))
+            for g in self.groups:
+                if not self._usable(g):
+                    self._worker(g["worker"])["dropped_stale"] += 1
+            dropped = len(self.groups) - len(kept)
+            self.groups = kept
+            self.counts["dropped_stale"] += dropped
+            return {"dropped": dropped, "trainer_version": version}
+
+    def count_rejected(self):
+        with self.cond:
+            self.counts["rejected"] += 1
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def stats(self):
+        with self.cond:
+            return {**self.counts, "buffered": len(self.groups), "trainer_version": self.trainer_version,
+                    "max_staleness": self.max_staleness, "max_groups": self.max_groups,
+                    "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+                    "workers": {k: dict(v) for k, v in self.workers.items()},
+                    "uptime_s": round(time.time() - self.started, 1)}
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+
+class ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"   # keep-alive: a replica reuses its connection
+    disable_nagle_algorithm = True  # an answer goes out at once, not after a delayed ACK
+    server_version, sys_version = "proxy.py", ""  # no Python version advertised
+    default_request_version = "HTTP/1.0"  # so that even a garbled request line gets a status line back
+    buffer, token, max_body, num_generations = None, None, 0, None
+
+    @classmethod
+    def bind(cls, buffer, token, max_body, num_generations, timeout):
+        """A handler class that carries one server's state (no module globals)."""
+        return type("BoundProxyHandler", (cls,), dict(buffer=buffer, token=token, max_body=max_body,
+                                                       num_generations=num_generations, timeout=timeout))
+
+    def log_message(self, format, *args):  # quiet: the server logs a summary once a minute
+        pass
+
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_POST(self):
+        self._serve("POST")
+
+    def _serve(self, method):
+        self._body_pending = "Content-Length" in self.headers or "Transfer-Encoding" in self.headers
+        path, _, query = self.path.partition("?")
+        code, headers = 200, {}
+        try:
+            route = ROUTES.get((method, path))
+            if route is None and path in {p for _, p in ROUTES}:
+                raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": "GET" if method == "POST" else "POST"})
+            if route is None:
+                raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves POST /rollouts, GET /batch, "
+                               "POST /version, GET /stats, GET /healthz", 404)
+            if route != "healthz":
+                self._authorize()
+            payload = getattr(self, "_" + route)(query)
+        except ApiError as e:
+            code, payload, headers = e.code, {"error": str(e)}, e.headers
+        except Exception:
+            log.exception("proxy: internal error on %s %s", method, path[:80])
+            code, payload = 500, {"error": "internal error (see the proxy's log)"}
+        if 400 <= code < 500 and code != 429:
+            self.buffer.count_rejected()
+        self._reply(code, payload, headers)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (bad request line, unknown method) as JSON, like ours."""
+        if code == HTTPStatus.NOT_IMPLEMENTED:  # an unknown method is the client's error
+            code, message = 405, f"method {str(self.command)[:20]!r} is not allowed"
+        if 400 <= code < 500:
+            self.buffer.count_rejected()
+        self.close_connection = True
+        self._reply(code, {"error": message or HTTPStatus(code).phrase})
+
+    def _reply(self, code, payload, headers=None):
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection or getattr(self, "_body_pending", False):
+            self.send_header("Connection", "close")  # an unread body must not be parsed as a request
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _authorize(self):
+        if self.token is None:
+            return
+        got = self.headers.get("Authorization", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(got, b"Bearer " + self.token.encode()):  # constant time
+            raise ApiError("missing or wrong token: send 'Authorization: Bearer <PROXY_TOKEN>'", 401,
+                           {"WWW-Authenticate": "Bearer"})
+
+    def _read_json(self):
+        if "Transfer-Encoding" in self.headers:
+            raise ApiError("send the body with a Content-Length (chunked bodies are not accepted)", 411)
+        lengths = self.headers.get_all("Content-Length") or []
+        if not lengths:
+            raise ApiError("Content-Length is required", 411)
+        n = lengths[0].strip()
+        if len(lengths) > 1 or not (n.isascii() and n.isdigit() and len(n) <= 18):
+            raise ApiError("Content-Length: must be one non-negative integer")
+        if int(n) > self.max_body:  # refused from the header alone; the connection is then closed
+            raise ApiError(f"body of {n} bytes exceeds --max-body-mb ({self.max_body} bytes): "
+                           "send fewer groups per POST", 413)
+        try:
+            body = self.rfile.read(int(n))
+        except socket.timeout:  # TimeoutError from Python 3.10 on
+            raise ApiError(f"body not received within {self.timeout:g} s", 408) from None
+        except OSError:
+            raise ApiError("body: the connection broke while it was read") from None
+        if len(body) < int(n):
+            raise ApiError(f"body: ended after {len(body)} of the {n} bytes of its Content-Length")
+        self._body_pending = False
+        return parse_json(body)
+
+    def _rollouts(self, query):
+        groups = validate_rollouts(self._read_json(), self.buffer.max_groups, self.num_generations)
+        result = self.buffer.add(groups)
+        if result is None:
+            raise ApiError(f"buffer full ({self.buffer.max_groups} groups); retry in {RETRY_AFTER_S} s", 429,
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        return result
+
+    def _batch(self, query):
+        # A group counts as delivered once it is handed to this connection: a trainer that dies
+        # mid-answer loses that batch (it is regenerated at the next policy version anyway).
+        groups, version = self.buffer.take(*parse_batch_query(query, self.buffer.max_groups))
+        return {"groups": groups, "trainer_version": version}
+
+    def _version(self, query):
+        body = self._read_json()
+        _check(type(body) is dict, "body", 'must be a JSON object {"version": <int>}')
+        v = _get(body, "version", "body")
+        _check(type(v) is int and 0 <= v < MAX_INT, "version", f"must be an integer in [0, {MAX_INT})")
+        return self.buffer.set_version(v)
+
+    def _stats(self, query):
+        return self.buffer.stats()
+
+    def _healthz(self, query):
+        return {"ok": True}
+
+
+class ProxyServer(ThreadingHTTPServer):
+    """One thread per connection; closing it closes the open connections; logs once a minute."""
+    daemon_threads = True
+    block_on_close = False  # long polls and idle keep-alive connections must not hold up server_close()
+    request_queue_size = 1024  # socketserver's 5 drops connections when many replicas (re)connect at once
+
+    def __init__(self, address, handler, log_every=60.0):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.buffer, self.log_every = handler.buffer, log_every
+        self._conns, self._conns_lock = set(), threading.Lock()
+        self._last_log, self._logged = time.monotonic(), self.buffer.stats()
+        super().__init__(address, handler)
+
+    def server_bind(self):  # HTTPServer's own looks up the host's FQDN, which can stall for seconds
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def process_request(self, request, client_address):
+        with self._conns_lock:
+            self._conns.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        with self._conns_lock:
+            self._conns.discard(request)
+        super().shutdown_request(request)
+
+    def server_close(self):
+        super().server_close()
+        self.buffer.close()  # wakes the long polls
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that hangs up or speaks no TLS is no news
+            log.exception("proxy: error while serving %s", client_address[0])
+
+    def service_actions(self):  # serve_forever calls this every 0.2 s
+        if time.monotonic() - self._last_log < self.log_every:
+            return
+        self._last_log, s, old = time.monotonic(), self.buffer.stats(), self._logged
+        d = {k: s[k] - old[k] for k in ("accepted", "duplicates", "dropped_stale", "delivered", "rejected",
+                                        "refused_full")}
+        if any(d.values()) or s["trainer_version"] != old["trainer_version"]:
+            log.info("proxy: in +%d (dup +%d), out +%d, dropped stale +%d, refused full +%d, rejected +%d, "
+                     "buffer %d/%d, trainer v%d", d["accepted"], d["duplicates"], d["delivered"], d["dropped_stale"],
+                     d["refused_full"], d["rejected"], s["buffered"], s["max_groups"], s["trainer_version"])
+            self._logged = s
+
+
+def _is_loopback(host):
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)} if host else set()
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+    except (OSError, ValueError):
+        return False
+
+
+def serve(host="127.0.0.1", port=0, max_staleness=4, max_groups=4096, max_body_mb=64, token=None,
+          tls_cert=None, tls_key=None, num_generations=None, request_timeout=30.0, log_every=60.0):
+    """Start the proxy in a daemon thread; returns (server, thread). server.server_address[1] is the port."""
+    token = token or None
+    if token is None and not _is_loopback(host):
+        raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or --token "
+                          "(or listen on 127.0.0.1)")
+    if bool(tls_cert) != bool(tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+    if max_staleness < 0 or max_groups < 1 or max_body_mb <= 0 or (num_generations is not None and num_generations < 1):
+        raise ConfigError("--max-staleness must be >= 0, --max-groups and --num-generations >= 1, --max-body-mb > 0")
+    context = None
+    if tls_cert:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(tls_cert, tls_key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"cannot load --tls-cert {tls_cert} / --tls-key {tls_key}: {e}") from None
+    buffer = RolloutBuffer(max_staleness, max_groups)
+    handler = ProxyHandler.bind(buffer, token, int(max_body_mb * 2**20), num_generations, request_timeout)
+    server = ProxyServer((host, port), handler, log_every)
+    if context:  # the handshake happens in the connection's own thread, not in the accept loop
+        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+    thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="proxy", daemon=True)
+    thread.start()
+    return server, thread
+
+
+# ---- the client rollout.py and trainer.py use -----------------------------------------------
+
+class ProxyClient:
+    """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff. One per thread (it keeps a session)."""
+    HINTS = {401: " (check PROXY_TOKEN: the proxy and this process must share it)",
+             404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
+             413: " (send fewer groups per POST or raise the proxy's --max-body-mb)"}
+
+    def __init__(self, url, token=None, max_wait=300.0, verify=True):
+        import requests  # the client's only dependency; the server needs none
+
+        self._requests, self.url, self.max_wait, self.verify = requests, url.rstrip("/"), max_wait, verify
+        self.session = requests.Session()
+        token = token or os.environ.get("PROXY_TOKEN")
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def post_rollouts(self, groups):
+        return self._call("POST", "/rollouts", {"groups": groups})
+
+    def get_batch(self, n, timeout=30.0):
+        return self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
+
+    def set_version(self, version):
+        return self._call("POST", "/version", {"version": version})
+
+    def stats(self):
+        return self._call("GET", "/stats")
+
+    def healthy(self):
+        try:
+            return self.session.get(self.url + "/healthz", timeout=5, verify=self.verify).status_code == 200
+        except self._requests.RequestException:
+            return False
+
+    def _call(self, method, path, body=None, params=None, wait=0.0):
+        rq, where = self._requests, f"{method} {self.url}{path}"
+        try:
+            data = None if body is None else json.dumps(body, allow_nan=False).encode()
+        except ValueError:
+            raise ProxyError(f"{where}: cannot send NaN or Infinity (check the rewards and log-probs)") from None
+        deadline, delay, streak = time.monotonic() + self.max_wait, 0.5, False
+        while True:
+            try:
+                r = self.session.request(method, self.url + path, data=data, params=params, verify=self.verify,
+                                         headers={"Content-Type": "application/json"}, timeout=(10.0, wait + 60.0))
+            except rq.exceptions.SSLError as e:
+                raise ProxyError(f"{where}: TLS failed ({e}); for a self-signed proxy pass verify=<its cert.pem>"
+                                 ) from None
+            except (rq.ConnectionError, rq.Timeout) as e:
+                m = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))
+                why, pause = f"cannot reach the proxy ({m.group(0) if m else type(e).__name__})", delay
+            except rq.RequestException as e:
+                raise ProxyError(f"{where}: {e}") from None
+            else:
+                try:
+                    answer = r.json()
+                except ValueError:
+                    answer = {"error": r.text[:200]}
+                if r.status_code == 200:
+                    if isinstance(answer, dict) and "error" not in answer:
+                        return answer
+                    raise ProxyError(f"{where}: the answer is not proxy.py's JSON{self.HINTS[404]}")
+                msg = answer.get("error", answer) if isinstance(answer, dict) else answer
+                if r.status_code == 429:
+                    after = r.headers.get("Retry-After", "")
+                    why, pause = f"proxy buffer full ({msg})", float(after) if after.isdigit() else delay
+                elif r.status_code >= 500:
+                    why, pause = f"HTTP {r.status_code}: {msg}", delay
+                else:
+                    raise ProxyError(f"{where}: HTTP {r.status_code}: {msg}{self.HINTS.get(r.status_code, '')}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProxyError(f"{where}: gave up after {self.max_wait:g} s: {why}")
+            if not streak:  # one line per streak of retries
+                print(f"proxy.py client: {where}: {why}; retrying for up to {self.max_wait:g} s", file=sys.stderr,
+                      flush=True)
+                streak = True
+            time.sleep(min(pause, left, 10.0))
+            delay = min(2 * delay, 10.0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The rollout buffer between rollout replicas and the trainer.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--max-staleness", type=int, default=4,
+                   help="hand out a group only while trainer_version - policy_version <= this (0: synchronous GRPO)")
+    p.add_argument("--max-groups", type=int, default=4096,
+                   help="buffer size in groups; when full, POST /rollouts gets 429")
+    p.add_argument("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
+    p.add_argument("--token", default=os.environ.get("PROXY_TOKEN"),
+                   help="bearer token wanted on every endpoint but /healthz (default: $PROXY_TOKEN, which keeps it "
+                        "out of the process list)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--num-generations", type=int,
+                   help="refuse groups with another number of completions (the trainer's G; default: any)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    try:
+        server, thread = serve(args.host, args.port, args.max_staleness, args.max_groups, args.max_body_mb,
+                               args.token, args.tls_cert, args.tls_key, args.num_generations)
+    except ConfigError as e:
+        sys.exit(f"proxy.py: error: {e}")
+    except OSError as e:
+        sys.exit(f"proxy.py: error: cannot listen on {args.host}:{args.port}: {e}")
+    log.info("proxy: listening on %s://%s:%d (max staleness %d, buffer %d groups, token %s)",
+             "https" if args.tls_cert else "http", args.host, server.server_address[1], args.max_staleness,
+             args.max_groups, "required" if args.token else "off")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while thread.is_alive():
+            thread.join(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        server.server_close()
+        log.info("proxy: stopped: %s", {k: v for k, v in server.buffer.stats().items() if type(v) is int})
+
+
+if __name__ == "__main__":
+    main()
