@@ -1,0 +1,339 @@
+"""trainer.py: micro-batching, resume state, the guard, and whole runs over real processes.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q
+
+1. The gradient of a batch split into uneven micro-batches equals the gradient of the batch in one
+   pass, for every loss_type (with and without KL), on the tiny model with a real PEFT LoRA.
+2. A real run: an in-process proxy.serve + one `rollout.py --engine hf --task toy` replica +
+   `trainer.py` on a directory bucket. The toy reward rises, every version is published, the
+   replica hot-loads several of them, and the groups used came from more than one policy version.
+3. SIGKILL the trainer mid-run and start it again with the same command: it says it resumed,
+   step and version continue from the saved state, and no version number is published twice.
+   Below it: saved state round-trips exactly, and the version-numbering rule.
+4. The guard: the pure function, and a real replica that reads another bucket (the trainer warns,
+   then stops with a clear error). Also: a wrong token / a missing S3 bucket is one clear line.
+"""
+
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import proxy
+import sync
+import trainer
+from conftest import ROOT
+
+G = 4
+TOKEN = "test-token"
+# The toy task on the tiny model: reward ~0.05 at start; at lr 1e-3 it nears 1.0 in ~25 steps with
+# one replica (at 3e-3 it is solved by step ~20 and every group then has equal rewards).
+TRAIN_ARGS = ["--num-generations", "8", "--groups-per-step", "4", "--learning-rate", "1e-3", "--lora-r", "8",
+              "--lora-alpha", "16", "--max-staleness", "2", "--max-completion-length", "6",
+              "--micro-batch-tokens", "256", "--seed", "0"]
+
+
+def fake_groups(model, n_groups, seed):
+    """Groups in the proxy's JSON form: prompts and completions of different lengths; the sampler's
+    log-probs are the model's own plus noise, so that some ratios fall outside the clip range."""
+    rng = random.Random(seed)
+    groups = []
+    for gi in range(n_groups):
+        prompt = [rng.randrange(4, 100) for _ in range(rng.randint(3, 12))]
+        comps = []
+        for ci in range(G):
+            ids = [rng.randrange(4, 100) for _ in range(rng.randint(1, 9))]
+            if ci % 2:
+                ids.append(3)  # ends on the EOS, as a completion that stopped does
+            comps.append({"ids": ids, "logprobs": [0.0] * len(ids), "reward": float((ci + gi) % 3 == 0),
+                          "text": "", "finish_reason": "stop" if ci % 2 else "length"})
+        groups.append({"group_id": f"g{gi}", "policy_version": 0, "worker": "w", "prompt": "",
+                       "prompt_ids": prompt, "completions": comps})
+    seqs = trainer.flatten_groups(groups, G, 64)
+    mb = trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
+    with torch.no_grad():
+        lp = trainer.completion_logprobs(model, mb)  # (B, C)
+    gen = torch.Generator().manual_seed(seed)
+    for r, s in enumerate(seqs):
+        n = len(s["ids"])
+        noise = (torch.rand(n, generator=gen) - 0.5).tolist()  # +-0.5 nats: ratios 0.6 .. 1.65
+        g, c = divmod(r, G)
+        groups[g]["completions"][c]["logprobs"] = [a + b for a, b in zip(lp[r, :n].tolist(), noise)]
+    return groups
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model):
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
+    model = lora_model
+    seqs = trainer.flatten_groups(fake_groups(model, 3, seed=7), G, 64)
+    rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
+    advantages = trainer.grpo_loss.group_advantages(rewards, G)  # (B,)
+    params = trainer.lora_parameters(model)
+
+    def grads(budget):
+        mbs = trainer.make_microbatches(seqs, budget)
+        model.zero_grad(set_to_none=True)
+        stats = trainer.compute_loss_and_backward(model, seqs, advantages, mbs, loss_type=loss_type, beta=beta,
+                                                  epsilon=0.2, epsilon_high=0.28, max_completion_length=16)
+        return mbs, stats, [p.grad.clone() for p in params]
+
+    full_mbs, full_stats, full = grads(10**9)
+    micro_mbs, micro_stats, micro = grads(60)
+    assert len(full_mbs) == 1 and len(micro_mbs) >= 3
+    assert len({len(m) for m in micro_mbs}) > 1, "micro-batches should hold different numbers of sequences"
+    assert full_stats["clip_low_frac"] + full_stats["clip_high_frac"] > 0, "no clipping: the test is too easy"
+    assert sum(g.abs().sum() for g in full) > 0
+    assert micro_stats["loss"] == pytest.approx(full_stats["loss"], rel=1e-5, abs=1e-7)
+    assert micro_stats["ratio_mean"] == pytest.approx(full_stats["ratio_mean"], rel=1e-5)
+    if beta:
+        assert full_stats["kl"] > 0 and micro_stats["kl"] == pytest.approx(full_stats["kl"], rel=1e-4)
+    for a, b in zip(micro, full):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_path):
+    """What a resume loads is what was saved: LoRA weights, AdamW moments, RNG streams."""
+    bucket = str(tmp_path / "bucket")
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    params = trainer.lora_parameters(model)
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    seqs = trainer.flatten_groups(fake_groups(model, 2, seed=3), G, 64)
+    adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
+    for _ in range(2):
+        opt.zero_grad()
+        trainer.compute_loss_and_backward(model, seqs, adv, trainer.make_microbatches(seqs, 100))
+        opt.step()
+    trainer.save_state(model, opt, bucket, {"step": 2, "version": 1})
+    want_next = (random.random(), torch.rand(3))
+
+    fresh = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=5)
+    fresh_opt = torch.optim.AdamW(trainer.lora_parameters(fresh), lr=1e-2, weight_decay=0.0)
+    d = trainer.sync.load_trainer_state(bucket, str(tmp_path / "state"))
+    state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+    assert (state["step"], state["version"]) == (2, 1)
+    trainer.restore_state(fresh, fresh_opt, d, state)
+    for a, b in zip(params, trainer.lora_parameters(fresh)):
+        assert torch.equal(a, b)
+    assert any(p.abs().sum() > 0 for n, p in fresh.named_parameters() if "lora_B" in n)
+    for sa, sb in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values()):
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    got_next = (random.random(), torch.rand(3))  # the streams continue where the saved run left them
+    assert got_next[0] == want_next[0] and torch.equal(got_next[1], want_next[1])
+
+
+def test_make_microbatches_respects_the_token_budget():
+    rng = random.Random(0)
+    seqs = [{"prompt_ids": [1] * rng.randint(1, 20), "ids": [1] * rng.randint(1, 30)} for _ in range(40)]
+    mbs = trainer.make_microbatches(seqs, 200)
+    assert sorted(i for m in mbs for i in m) == list(range(40))
+    for m in mbs:
+        cost = len(m) * (max(len(seqs[i]["prompt_ids"]) for i in m) + max(len(seqs[i]["ids"]) for i in m))
+        assert cost <= 200 or len(m) == 1
+    assert trainer.make_microbatches([{"prompt_ids": [1] * 50, "ids": [1] * 300}], 100) == [[0]]
+
+
+def test_wrong_number_of_completions_is_a_clear_error():
+    group = {"group_id": "x", "worker": "w", "policy_version": 0, "prompt_ids": [1],
+             "completions": [{"ids": [5], "logprobs": [-1.0], "reward": 1.0}] * 3}
+    with pytest.raises(trainer.TrainerError, match="start rollout.py with --num-generations 4"):
+        trainer.flatten_groups([group], 4, 16)
+
+
+def step(version, newest, ratio=1.01, clip=0.01, stale=1.0):
+    return {"version": version, "newest_policy": newest, "ratio_mean": ratio, "clip_low_frac": clip,
+            "clip_high_frac": 0.0, "staleness_mean": stale}
+
+
+def test_guard_flags_replicas_stuck_on_an_old_version():
+    healthy = [step(3, 2), step(4, 3), step(5, 4)]
+    assert trainer.guard_check(healthy, max_staleness=4) == []
+    slow = [step(3, 1), step(4, 2), step(5, 2)]  # behind, but moving
+    assert trainer.guard_check(slow, max_staleness=4) == []
+    stuck = [step(2, 0), step(3, 0), step(4, 0)]
+    reasons = trainer.guard_check(stuck, max_staleness=4)
+    assert len(reasons) == 1 and "stayed at 0" in reasons[0]
+    assert trainer.guard_check(stuck[:2], max_staleness=4) == []  # too few steps to tell
+    assert trainer.guard_check([step(0, 0), step(1, 0), step(2, 0)], max_staleness=2)  # 2 behind at staleness 2
+    assert not trainer.guard_check([step(0, 0), step(1, 0), step(2, 0)], max_staleness=4)  # legal lag
+    msg = trainer.guard_message(reasons, "/bucket")
+    assert msg.count("\n") > 5 and "WARNING" in msg and "--bucket /bucket" in msg and "loaded" in msg
+
+
+def test_guard_flags_a_ratio_of_exactly_one_on_stale_groups():
+    assert trainer.guard_check([step(5, 4, ratio=1.0, clip=0.0, stale=1.0)], 4)[0].startswith("ratio_mean")
+    assert trainer.guard_check([step(5, 5, ratio=1.0, clip=0.0, stale=0.0)], 4) == []  # on-policy: 1.0 is right
+    assert trainer.guard_check([step(5, 4, ratio=1.0, clip=0.02, stale=1.0)], 4) == []
+    assert trainer.guard_check([step(5, 4, ratio=0.9999, clip=0.0, stale=1.0)], 4) == []
+
+
+def test_starting_version_never_reuses_a_number():
+    assert trainer.starting_version(None, None) == (0, True)  # a new run: publish v0
+    assert trainer.starting_version(None, 7) == (8, True)  # a bucket used before, no state
+    saved = {"step": 10, "version": 5, "published_step": 10}
+    assert trainer.starting_version(saved, 5) == (5, False)  # LATEST holds exactly the saved weights
+    assert trainer.starting_version(saved, 9) == (10, True)  # published after the save, then killed
+    assert trainer.starting_version(dict(saved, published_step=8), 5) == (6, True)  # stepped past v5
+    assert trainer.starting_version(saved, 5, seen=[4, 5, 6]) == (7, True)  # v6 torn: killed before LATEST
+
+
+# ----------------------------------------------------------------------------- real processes
+
+@pytest.fixture
+def proxy_url():
+    server, _ = proxy.serve(port=0, max_staleness=2, token=TOKEN, num_generations=8, log_every=3600)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def child_env(**extra):
+    return {**os.environ, "PROXY_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1", **extra}
+
+
+def start_replica(tiny_model, bucket, url, log_path):
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "rollout.py", "--engine", "hf", "--task", "toy", "--model", tiny_model,
+             "--bucket", bucket, "--proxy", url, "--num-generations", "8", "--prompts-per-batch", "4",
+             "--max-new-tokens", "6", "--max-staleness", "2", "--seed", "0"],
+            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def cluster(tiny_model, tmp_path, proxy_url):
+    """The in-process proxy, one hf-engine toy replica, and a directory bucket."""
+    bucket, log_path = str(tmp_path / "bucket"), tmp_path / "replica.log"
+    replica = start_replica(tiny_model, bucket, proxy_url, log_path)
+    c = SimpleNamespace(bucket=bucket, url=proxy_url, replica_log=log_path, tmp=tmp_path,
+                        cmd=lambda steps, *extra: [sys.executable, "trainer.py", "--model", tiny_model, "--bucket",
+                                                   bucket, "--proxy", proxy_url, *TRAIN_ARGS, "--max-steps",
+                                                   str(steps), *extra])
+    yield c
+    replica.kill()
+    replica.wait()
+
+
+def published(stdout):
+    return [int(v) for v in re.findall(r"^published v(\d+) at step \d+$", stdout, re.M)]
+
+
+def test_run_learns_the_toy_task(cluster, tiny_model):
+    r = subprocess.run(cluster.cmd(24, "--save-every", "10"), cwd=ROOT, env=child_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    recs = sync.read_metrics(cluster.bucket)
+    assert [m["step"] for m in recs] == list(range(1, 25))
+    first = sum(m["reward_mean"] for m in recs[:5]) / 5
+    last = sum(m["reward_mean"] for m in recs[-5:]) / 5
+    print(f"toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert first < 0.3 and last > first + 0.4, f"reward {first:.3f} -> {last:.3f}: no learning"
+    assert published(r.stdout) == list(range(25)) and sync.latest_version(cluster.bucket) == 24
+    used = set().union(*(m["policy_versions"] for m in recs))
+    assert len(used) >= 5 and max(m["staleness_max"] for m in recs) >= 1, f"versions used: {sorted(used)}"
+    loaded = {int(v) for v in re.findall(r"adapter v(\d+) loaded", cluster.replica_log.read_text())}
+    assert len(loaded) >= 5, "the replica should have hot-loaded several published versions"
+    assert "WARNING" not in r.stderr, "the guard fired on a healthy run"
+    assert all(k in recs[-1] for k in ("loss", "ratio_mean", "clip_low_frac", "grad_norm", "wait_s", "tokens_per_s"))
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = sync.pull_adapter(cluster.bucket, 24, str(cluster.tmp / "pulled"))  # standard PEFT files
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), path)
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_sigkill_and_restart_resumes(cluster):
+    cmd = cluster.cmd(16, "--save-every", "4")
+    with open(cluster.tmp / "run1.err", "w") as err:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        watchdog = threading.Timer(180, p.kill)
+        watchdog.start()
+        run1 = ""
+        for line in p.stdout:  # kill it three steps after the state saved at step 4
+            run1 += line
+            if line.startswith("step 7 "):
+                p.send_signal(signal.SIGKILL)
+                break
+        p.wait()
+        watchdog.cancel()
+    assert p.returncode == -signal.SIGKILL, run1 + (cluster.tmp / "run1.err").read_text()[-2000:]
+    assert "saved state at step 4 (version 4)" in run1
+
+    r = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.splitlines()[0].startswith("resumed from step 4, version 4"), r.stdout[:500]
+    steps2 = [int(s) for s in re.findall(r"^step (\d+) ", r.stdout, re.M)]
+    assert steps2 == list(range(5, 17)), "the restart must continue at the step after the saved one"
+    v1, v2 = published(run1), published(r.stdout)
+    assert v1[:5] == [0, 1, 2, 3, 4] and len(v1) >= 7
+    assert v2[0] > max(v1), "the restart republishes the saved weights under a new number"
+    assert v1 + v2 == sorted(set(v1 + v2)), f"a version was published twice: {v1} then {v2}"
+    assert sync.latest_version(cluster.bucket) == v2[-1]
+    recs = sync.read_metrics(cluster.bucket)
+    assert {m["step"] for m in recs} == set(range(1, 17))
+    resumed = [m for m in recs if m["version"] >= v2[0]]
+    assert [m["step"] for m in resumed] == list(range(5, 17))  # steps 5..7 of run 1 were redone
+    last = json.loads(open(os.path.join(cluster.bucket, "adapters", f"v{v2[-1]:06d}", "manifest.json")).read())
+    assert last["step"] == 16
+
+
+def test_user_errors_are_one_clear_line(tiny_model, tmp_path, proxy_url, s3_server):
+    bucket = str(tmp_path / "bucket")
+    base = [sys.executable, "trainer.py", "--model", tiny_model, "--proxy", proxy_url, "--max-steps", "1"]
+    r = subprocess.run(base + ["--bucket", bucket], cwd=ROOT, env=child_env(PROXY_TOKEN="wrong"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("trainer.py: error:") and "PROXY_TOKEN" in r.stderr
+    assert sync.latest_version(bucket) is None, "nothing may be published before the proxy answered"
+    if importlib.util.find_spec("wandb") is None:
+        r = subprocess.run(base + ["--bucket", bucket, "--report-to", "wandb"], cwd=ROOT, env=child_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and "pip install wandb" in r.stderr
+    r = subprocess.run(base + ["--bucket", "s3://no-such-bucket/run"], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "trainer.py: error:" in r.stderr and "does not exist" in r.stderr
+
+
+def test_guard_warns_when_the_replica_reads_another_bucket(tiny_model, tmp_path, proxy_url):
+    """The replica follows a bucket that only ever holds v0: the trainer warns, then gives up."""
+    wrong, bucket = str(tmp_path / "wrong"), str(tmp_path / "bucket")
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    model.save_pretrained(str(tmp_path / "v0"))
+    sync.publish_adapter(wrong, str(tmp_path / "v0"), 0)
+    replica = start_replica(tiny_model, wrong, proxy_url, tmp_path / "replica.log")
+    try:
+        r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+                            proxy_url, *TRAIN_ARGS, "--max-steps", "20", "--wait-timeout", "6"],
+                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        replica.kill()
+        replica.wait()
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    steps = re.findall(r"^step (\d+) v(\d+) ", r.stdout, re.M)
+    assert [(int(s), int(v)) for s, v in steps] == [(1, 0), (2, 1), (3, 2)]  # v0 groups are usable up to v2
+    warning = r.stderr[r.stderr.index("WARNING"):]
+    assert "stayed at 0 for 3 steps" in warning and f"--bucket {bucket}" in warning and "loaded" in warning
+    assert r.stderr.strip().splitlines()[-1].startswith("trainer.py: error: no usable groups for")
