@@ -30,8 +30,10 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    adapter publication, so with --sync-every 1 staleness counts optimizer steps.
 3. One optimizer step per batch (TRL's num_iterations = 1, mu = 1 in the paper).
 4. Zero-variance groups (all rewards equal) are skipped and more groups pulled until
-   --groups-per-step usable ones are in hand (DAPO's dynamic sampling, without oversampling);
-   TRL keeps them, with zero advantage, in the loss's normaliser.
+   --groups-per-step usable ones are in hand (DAPO's dynamic sampling); TRL keeps them, with zero
+   advantage, in the loss's normaliser. So that a task the policy has solved cannot stall the
+   run, 4 x --groups-per-step skipped groups with no usable one make a step with no update (and
+   nothing new to publish).
 5. Constant learning rate, no warmup (TRL decays linearly by default); AdamW, no weight decay.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
@@ -257,11 +259,11 @@ def guard_message(reasons, bucket_url):
 # ----------------------------------------------------------------------------- data
 
 def gather_groups(client, n, wait_timeout, bucket_url, log=print):
-    """Long-poll the proxy until n usable groups (rewards not all equal) are in hand.
-    Returns (usable groups, skipped groups): a skipped group has advantage 0 everywhere, no signal."""
+    """Long-poll the proxy until n usable groups (rewards not all equal) are in hand, or 4n skipped
+    ones and no usable one (a solved task). Returns (usable, skipped): skipped ones have no signal."""
     groups, skipped = [], []
     start = last_log = time.time()
-    while len(groups) < n:
+    while len(groups) < n and (groups or len(skipped) < 4 * n):
         waited = time.time() - start
         if wait_timeout and waited > wait_timeout:
             raise TrainerError(f"no usable groups for {waited:.0f}s (have {len(groups)}/{n}, {len(skipped)} skipped "
@@ -380,7 +382,7 @@ def train(args):
         print(f"published v{version} at step {step}", flush=True)
         save_state(model, optimizer, bucket, snapshot(version, step))
     client.set_version(version)
-    published_step = step
+    published_step, updated_since_publish = step, False
 
     while step < args.max_steps:
         t0 = time.time()
@@ -391,24 +393,28 @@ def train(args):
         t1 = time.time()
         seqs = flatten_groups(groups, args.num_generations, args.max_completion_length)
         rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
-        advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (B,)
+        advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards) if seqs else None  # (B,)
         model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
         optimizer.zero_grad(set_to_none=True)
         mbs = make_microbatches(seqs, args.micro_batch_tokens)
-        stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
-                                          args.epsilon_high, args.beta, args.max_completion_length, args.temperature)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-        optimizer.step()
+        stats, grad_norm = {"loss": 0.0, "ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0}, 0.0
+        if seqs:  # else every group had equal rewards: no learning signal, no optimizer step
+            stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
+                                              args.epsilon_high, args.beta, args.max_completion_length,
+                                              args.temperature)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            optimizer.step()
+            updated_since_publish = True
         step += 1
         t2 = time.time()
 
-        stale = [version - g["policy_version"] for g in groups]
+        stale = [version - g["policy_version"] for g in (groups or skipped)]
         tokens = sum(len(s["ids"]) for s in seqs)
         sampled = torch.tensor([c["reward"] for g in groups + skipped for c in g["completions"]])  # skipped too
         rec = {"step": step, "version": version, "reward_mean": sampled.mean().item(),
                "reward_std": sampled.std().item(), "groups_used": len(groups), "groups_skipped": len(skipped),
                "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
-               "policy_versions": sorted({g["policy_version"] for g in groups}), "tokens": tokens,
+               "policy_versions": sorted({g["policy_version"] for g in groups or skipped}), "tokens": tokens,
                "truncated": sum(s["truncated"] for s in seqs), "loss": stats["loss"],
                "ratio_mean": stats["ratio_mean"], "clip_low_frac": stats["clip_low_frac"],
                "clip_high_frac": stats["clip_high_frac"], "grad_norm": grad_norm,
@@ -422,7 +428,7 @@ def train(args):
             reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
         print(f"step {step} v{version} | reward {rec['reward_mean']:.3f} ± {rec['reward_std']:.3f} | groups "
               f"{len(groups)} (+{len(skipped)} skipped) | stale {rec['staleness_mean']:.2f}/{rec['staleness_max']} | "
-              f"loss {rec['loss']:.4f} ratio {rec['ratio_mean']:.4f} clip {rec['clip_low_frac']:.3f}/"
+              f"loss {rec['loss']:.4f} ratio {rec['ratio_mean'] or 0:.4f} clip {rec['clip_low_frac']:.3f}/"
               f"{rec['clip_high_frac']:.3f}" + (f" kl {rec['kl']:.4f}" if args.beta > 0 else "") +
               f" | gnorm {grad_norm:.3f} | wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s "
               f"{rec['tokens_per_s']:.0f} tok/s", flush=True)
@@ -433,7 +439,8 @@ def train(args):
             print(guard_message(reasons, bucket.url), file=sys.stderr, flush=True)
             guard["warned_step"] = step
 
-        if step % args.sync_every == 0 or step == args.max_steps:
+        if (step % args.sync_every == 0 or step == args.max_steps) and updated_since_publish:
+            updated_since_publish = False
             version += 1
             publish(model, bucket, version, keep, args.model, step)
             client.set_version(version)

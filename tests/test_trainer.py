@@ -248,7 +248,9 @@ def test_run_learns_the_toy_task(cluster, tiny_model):
     last = sum(m["reward_mean"] for m in recs[-5:]) / 5
     print(f"toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert first < 0.3 and last > first + 0.4, f"reward {first:.3f} -> {last:.3f}: no learning"
-    assert published(r.stdout) == list(range(25)) and sync.latest_version(cluster.bucket) == 24
+    versions = published(r.stdout)  # a step whose groups all had equal rewards publishes nothing new
+    assert versions == list(range(len(versions))) and len(versions) >= 20
+    assert sync.latest_version(cluster.bucket) == versions[-1]
     used = set().union(*(m["policy_versions"] for m in recs))
     assert len(used) >= 5 and max(m["staleness_max"] for m in recs) >= 1, f"versions used: {sorted(used)}"
     loaded = {int(v) for v in re.findall(r"adapter v(\d+) loaded", cluster.replica_log.read_text())}
