@@ -31,13 +31,13 @@ esac
 : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}"  # hub id or local folder
 : "${TASK:=arith}"                  # arith | gsm8k | toy
 : "${DATA:=}"                       # gsm8k: local JSONL instead of the hub's openai/gsm8k
-: "${STEPS:=30}"                    # trainer steps
+: "${STEPS:=40}"                    # trainer steps
 : "${MAX_STALENESS:=2}"             # 0 = synchronous on-policy GRPO
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${GROUPS_PER_STEP:=4}"           # prompts per trainer step
 : "${MAX_NEW_TOKENS:=12}"           # = the trainer's max_completion_length
 : "${TEMPERATURE:=1.0}"
-: "${LEARNING_RATE:=2e-4}"
+: "${LEARNING_RATE:=3e-4}"
 : "${LORA_R:=16}"
 : "${LORA_ALPHA:=32}"
 : "${LOSS_TYPE:=dapo}"

@@ -1,0 +1,112 @@
+"""`bash jobs.sh --local` end to end on the tiny model: real proxy, replica and trainer processes.
+
+Checks the run folder afterwards (metrics with a rising toy reward, several adapter versions,
+the before/after table) and that no process of the run is left behind — after a normal finish
+and after Ctrl-C.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+from conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_env(tiny_model, name, **extra):
+    env = dict(os.environ, NAME=name, MODEL=tiny_model, TASK="toy", STEPS="24", REPLICAS="1",
+               MAX_STALENESS="2", NUM_GENERATIONS="8", GROUPS_PER_STEP="4", MAX_NEW_TOKENS="6",
+               LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="5", EVAL_LIMIT="1",
+               ENGINE="hf", PROXY_PORT=str(free_port()))
+    env.update(extra)
+    return env
+
+
+def processes_of(run_dir):
+    """PIDs whose command line mentions the run's folder (the bucket lives there)."""
+    run_dir = os.path.relpath(run_dir, ROOT)  # jobs.sh passes runs/NAME/bucket
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if run_dir in cmd:
+            pids.append((int(pid), cmd))
+    return pids
+
+
+def listening(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def run_name():
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    yield name
+    shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+
+
+def test_local_run_learns_and_cleans_up(tiny_model, run_name):
+    env = run_env(tiny_model, run_name)
+    res = subprocess.run(["bash", "jobs.sh", "--local"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    run = os.path.join(ROOT, "runs", run_name)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(os.path.join(run, "bucket", "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    assert [m["step"] for m in metrics] == list(range(1, 25))
+    rewards = [m["reward_mean"] for m in metrics]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    print(f"toy reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")
+    assert last > first + 0.3 and last > 0.6
+    versions = sorted(os.listdir(os.path.join(run, "bucket", "adapters")))
+    with open(os.path.join(run, "bucket", "adapters", "LATEST")) as f:
+        assert json.load(f)["version"] >= 8  # one per step that changed the weights (SYNC_EVERY=1)
+    assert len([v for v in versions if v.startswith("v")]) >= 3
+    summary = open(os.path.join(run, "summary.md")).read()
+    assert "greedy accuracy, final adapter" in summary and "reward per step" in summary
+    for f in ["proxy.log", "trainer.log", "rollout-0.log", "eval-base.json", "eval-final.json", "stats.json"]:
+        assert os.path.exists(os.path.join(run, f)), f
+    assert "MAX_STALENESS" in res.stdout  # settings printed at start
+    time.sleep(1)
+    assert processes_of(run) == [] and not listening(int(env["PROXY_PORT"]))  # the proxy is gone too
+
+
+def test_local_run_ctrl_c_leaves_no_process(tiny_model, run_name):
+    run = os.path.join(ROOT, "runs", run_name)
+    env = run_env(tiny_model, run_name, STEPS="500")
+    proc = subprocess.Popen(["bash", "jobs.sh", "--local"], cwd=ROOT, start_new_session=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        trainer_log = os.path.join(run, "trainer.log")
+        while time.time() < deadline:  # wait until training is under way
+            if os.path.exists(trainer_log) and "step " in open(trainer_log).read():
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(1)
+        assert len(processes_of(run)) >= 2  # trainer and replica (and the proxy) are running
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out
+    time.sleep(1)
+    assert processes_of(run) == [] and not listening(int(env["PROXY_PORT"]))
