@@ -158,7 +158,7 @@ run_local() {
   for _ in $(seq 100); do curl -sf "$url/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
   curl -sf "$url/healthz" >/dev/null || die "the proxy did not start, see $RUN/proxy.log (is port $PROXY_PORT free? set PROXY_PORT)"
 
-  banner "base model: greedy accuracy on $EVAL_LIMIT held-out $TASK problems"
+  banner "base model: greedy accuracy on (up to) $EVAL_LIMIT held-out $TASK problems"
   "$PY" rollout.py --eval --adapter base --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" \
     ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
     --eval-out "$RUN/eval-base.json" 2>"$RUN/eval-base.log" | tail -1
@@ -182,7 +182,7 @@ $(tail -5 "$RUN/trainer.log")"
   curl -sf "$url/stats" >"$RUN/stats.json" || echo '{}' >"$RUN/stats.json"
   stop_all
 
-  banner "final adapter: greedy accuracy on the same $EVAL_LIMIT problems"
+  banner "final adapter: greedy accuracy on the same held-out problems"
   "$PY" rollout.py --eval --adapter latest --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" \
     ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
     --eval-out "$RUN/eval-final.json" 2>"$RUN/eval-final.log" | tail -1

@@ -69,7 +69,7 @@ def main():
         ("adapter versions published", str(versions + 1 if versions is not None else 0)),
         ("mean reward, first third -> last third", f"{third(rewards, 'first'):.3f} -> {third(rewards, 'last'):.3f}"),
         ("mean staleness of groups used", f"{sum(stale) / len(stale):.2f}" if stale else "n/a"),
-        ("groups accepted / used / dropped stale",
+        ("groups accepted / delivered / dropped stale",
          f"{stats.get('accepted', '?')} / {stats.get('delivered', '?')} / {stats.get('dropped_stale', '?')}"),
     ]
     if a.train_seconds is not None:
