@@ -90,7 +90,10 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
 def test_local_run_ctrl_c_leaves_no_process(tiny_model, run_name):
     run = os.path.join(ROOT, "runs", run_name)
     env = run_env(tiny_model, run_name, STEPS="500")
+    # A shell started with SIGINT ignored (as under a CI runner that put us in the background) can
+    # not trap it; a terminal's Ctrl-C reaches a foreground jobs.sh with the default disposition.
     proc = subprocess.Popen(["bash", "jobs.sh", "--local"], cwd=ROOT, start_new_session=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
