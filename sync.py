@@ -41,9 +41,44 @@ class BucketError(Exception):
     """Something the user can fix; the message says what was wrong and what to set or do."""
 
 
+class _Outage(Exception):
+    """A failure that may pass (endpoint unreachable, 5xx, a mount gone): retried, see Bucket.retry_s."""
+
+
 class Bucket:
     """The storage interface: .url, read(key) -> bytes | None, write(key, data: bytes),
-    list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated."""
+    list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated.
+
+    retry_s (open_bucket's argument, default 0): once the bucket has worked, a read or write that
+    fails in a way that may pass (S3 endpoint unreachable or 5xx, a mounted folder gone or not
+    writable) is retried with backoff for up to retry_s seconds, with one stderr line when the
+    outage starts and one when it ends, then BucketError. A bucket that never worked fails at
+    once: a wrong setting is reported now, not after minutes of retries."""
+
+    retry_s = 0.0
+
+    def _retrying(self, what, attempt, retry):
+        since, delay = None, 0.5
+        while True:
+            try:
+                result = attempt()
+            except _Outage as e:
+                now = time.monotonic()
+                since = now if since is None else since
+                if not (retry and self.retry_s > 0):
+                    raise BucketError(str(e)) from None
+                if now - since >= self.retry_s:
+                    raise BucketError(f"{e} (still failing after {self.retry_s:g} s of retries)") from None
+                if delay == 0.5:  # one line per outage, not per attempt
+                    print(f"sync.py: {what} failed, retrying for up to {self.retry_s:g} s: {e}", file=sys.stderr,
+                          flush=True)
+                time.sleep(min(delay, self.retry_s - (now - since)))
+                delay = min(2 * delay, 10.0)
+                continue
+            if since is not None:
+                print(f"sync.py: {what} done after {time.monotonic() - since:.1f} s of retries", file=sys.stderr,
+                      flush=True)
+            return result
 
 
 class DirBucket(Bucket):
@@ -52,18 +87,35 @@ class DirBucket(Bucket):
 
     def __init__(self, root):
         self.url = os.path.abspath(os.path.expanduser(root))
+        self.seen = self.written = False  # the folder was there / a write succeeded: later failures are outages
 
     def _path(self, key):
         return os.path.join(self.url, *key.split("/"))
 
     def read(self, key):
+        return self._retrying(f"read {key}", lambda: self._read(key), self.seen)
+
+    def _read(self, key):
         try:
             with open(self._path(key), "rb") as f:
-                return f.read()
+                data = f.read()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            if os.path.isdir(self.url):
+                self.seen = True
+            elif self.seen:  # not an empty bucket: the folder was there (a mount that dropped)
+                raise _Outage(f"{self.url}: the bucket folder is gone or not a folder any more; "
+                              "bring the mount or folder back") from None
             return None
+        except OSError as e:  # e.g. a FUSE mount that lost its connection
+            raise _Outage(f"cannot read {self._path(key)}: {e.strerror}; check the mount") from None
+        self.seen = True
+        return data
 
     def write(self, key, data):
+        self._retrying(f"write {key}", lambda: self._write(key, data), self.written)
+        self.seen = self.written = True
+
+    def _write(self, key, data):
         path = self._path(key)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -75,8 +127,8 @@ class DirBucket(Bucket):
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
-            raise BucketError(f"cannot write {path}: {e.strerror}; that folder must be writable "
-                              "(mount a bucket read-write) and have free space") from None
+            raise _Outage(f"cannot write {path}: {e.strerror}; that folder must be writable "
+                          "(mount a bucket read-write) and have free space") from None
 
     def list(self, prefix=""):
         keys = []  # walk only the deepest folder the prefix names; skip write()'s temp files
@@ -113,20 +165,29 @@ class S3Bucket(Bucket):
             retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)
         self.client = session.client("s3", region_name=session.region_name or "us-east-1", config=config)
         self.endpoint = self.client.meta.endpoint_url
+        self.answered = False  # once a request succeeded, unreachable / 5xx is an outage to ride out
 
     def _key(self, key):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what, fn):
-        """Run one S3 request; turn botocore's exceptions into a BucketError that says what to set."""
+        return self._retrying(what, lambda: self._call_once(what, fn), self.answered)
+
+    def _call_once(self, what, fn):
+        """Run one S3 request; turn botocore's exceptions into a BucketError that says what to set
+        (an _Outage when the endpoint is unreachable or answers 5xx)."""
         from botocore import exceptions as bx
 
+        outage = False
         try:
-            return fn()
+            result = fn()
+            self.answered = True
+            return result
         except (bx.NoCredentialsError, bx.PartialCredentialsError):
             msg = ("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (for HF "
                    "Storage Buckets: the S3 key pair generated from your HF token)")
         except (bx.ConnectionError, bx.HTTPClientError) as e:
+            outage = True
             msg = (f"cannot reach the S3 endpoint {self.endpoint} ({type(e).__name__}): set "
                    "AWS_ENDPOINT_URL to your store (https://s3.hf.co/<namespace> for HF Storage "
                    "Buckets; unset for AWS S3) and check the network")
@@ -142,7 +203,9 @@ class S3Bucket(Bucket):
                         "ExpiredToken", "InvalidToken", "AllAccessDisabled"):
                 msg = (f"access denied ({code}) on {what}: check AWS_ACCESS_KEY_ID / "
                        "AWS_SECRET_ACCESS_KEY and that they may read (replicas) or write (trainer) it")
-        raise BucketError(f"{self.url}: {msg}")
+            outage = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500 or code in (
+                "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError")
+        raise (_Outage if outage else BucketError)(f"{self.url}: {msg}")
 
     def read(self, key):
         def get():
@@ -168,17 +231,18 @@ class S3Bucket(Bucket):
         self._call(f"delete {key}", lambda: self.client.delete_object(Bucket=self.name, Key=self._key(key)))
 
 
-def open_bucket(url):
-    """A local path (also a mounted bucket) or s3://bucket/prefix -> Bucket."""
+def open_bucket(url, retry_s=0.0):
+    """A local path (also a mounted bucket) or s3://bucket/prefix -> Bucket. retry_s: ride out an
+    outage of a bucket that worked before for up to this many seconds (see Bucket)."""
     url = os.fspath(url)
-    if url.startswith("s3://"):
-        return S3Bucket(url)
     if url.startswith("hf://"):
         raise BucketError(f"{url}: mount it (hf jobs run -v hf://buckets/USER/NAME:/bucket) and pass "
                           "/bucket, or use s3://NAME/prefix with AWS_ENDPOINT_URL=https://s3.hf.co/USER")
-    if not url or "://" in url:
+    if not url or ("://" in url and not url.startswith("s3://")):
         raise BucketError(f"unsupported bucket {url!r}: pass a directory or s3://bucket/prefix")
-    return DirBucket(url)
+    b = S3Bucket(url) if url.startswith("s3://") else DirBucket(url)
+    b.retry_s = retry_s
+    return b
 
 
 def _open(bucket):

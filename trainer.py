@@ -90,6 +90,8 @@ def parse_args(argv=None):
     a("--lora-target", default="all-linear", help="'all-linear' or comma-separated module names, e.g. q_proj,v_proj")
     a("--wait-timeout", type=float, default=1800.0,
       help="give up after this many seconds without a usable group (0 = never)")
+    a("--bucket-retry", type=float, default=300.0,
+      help="keep retrying a bucket read/write that fails after the bucket worked (an outage) this many seconds")
     a("--report-to", default="none", choices=["none", "trackio", "wandb"], help="also send each step's metrics there")
     return p.parse_args(argv)
 
@@ -258,9 +260,11 @@ def guard_message(reasons, bucket_url):
 
 # ----------------------------------------------------------------------------- data
 
-def gather_groups(client, n, wait_timeout, bucket_url, log=print):
+def gather_groups(client, n, wait_timeout, bucket_url, log=print, version=None, max_staleness=None):
     """Long-poll the proxy until n usable groups (rewards not all equal) are in hand, or 4n skipped
-    ones and no usable one (a solved task). Returns (usable, skipped): skipped ones have no signal."""
+    ones and no usable one (a solved task). Returns (usable, skipped): skipped ones have no signal.
+    Groups more than max_staleness behind `version` are dropped: only a proxy restarted since the
+    last POST /version hands them out (the client then sends the version again)."""
     groups, skipped = [], []
     start = last_log = time.time()
     while len(groups) < n and (groups or len(skipped) < 4 * n):
@@ -275,7 +279,14 @@ def gather_groups(client, n, wait_timeout, bucket_url, log=print):
                 f"rewards (their mean {sum(r) / max(len(r), 1):.3f}: 1.0 means the task is solved for this policy)")
             last_log = time.time()
         poll = 30.0 if not wait_timeout else max(1.0, min(30.0, wait_timeout - waited))
-        for g in client.get_batch(n - len(groups), timeout=poll)["groups"]:
+        batch = client.get_batch(n - len(groups), timeout=poll)["groups"]
+        if version is not None:
+            fresh = [g for g in batch if version - g["policy_version"] <= max_staleness]
+            if len(fresh) < len(batch):
+                log(f"dropped {len(batch) - len(fresh)} groups more than --max-staleness {max_staleness} "
+                    f"behind v{version} (the proxy restarted and did not know the trainer's version yet)")
+            batch = fresh
+        for g in batch:
             rewards = [c["reward"] for c in g["completions"]]
             (skipped if max(rewards) == min(rewards) else groups).append(g)
     return groups, skipped
@@ -341,7 +352,7 @@ def make_reporter(kind, args):
 def train(args):
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    bucket = sync.open_bucket(args.bucket)
+    bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
     tmp = tempfile.TemporaryDirectory()
     state_dir = sync.load_trainer_state(bucket, tmp.name)
     state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=False) if state_dir else None
@@ -369,7 +380,14 @@ def train(args):
 
     step, groups_consumed, guard = 0, 0, {"history": [], "warned_step": -10**9}
     if state:
-        restore_state(model, optimizer, state_dir, state)
+        try:
+            restore_state(model, optimizer, state_dir, state)
+        except (RuntimeError, ValueError) as e:  # e.g. size mismatch: the state belongs to another model
+            saved = state.get("args", {})
+            raise TrainerError(f"the state in {bucket.url}/trainer (--model {saved.get('model')}, --lora-r "
+                               f"{saved.get('lora_r')}) does not fit --model {args.model} --lora-r {args.lora_r} "
+                               f"({str(e).strip().splitlines()[0][:160]}): run with that run's settings, or "
+                               "another --bucket") from None
         step, groups_consumed, guard = state["step"], state["groups_consumed"], state["guard"]
     tmp.cleanup()
 
@@ -386,7 +404,8 @@ def train(args):
 
     while step < args.max_steps:
         t0 = time.time()
-        groups, skipped = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url)
+        groups, skipped = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
+                                        version=version, max_staleness=args.max_staleness)
         groups_consumed += len(groups) + len(skipped)
         for g in skipped:
             check_group(g, args.num_generations)

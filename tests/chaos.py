@@ -1,0 +1,528 @@
+"""Chaos run: a whole local system (proxy + 2 replicas + trainer on the tiny model, toy task) while
+random roles are SIGKILLed at random moments and restarted with the same command (seeded).
+
+    python tests/chaos.py --minutes 10 --seed 0          # directory bucket
+    python tests/chaos.py --minutes 3 --seed 1 --s3      # s3://... on a moto_server of its own
+
+At the end (and after every kill) it checks the invariants of issue 7 and prints a summary:
+  - no adapter version is published twice ("published vN" lines of every trainer run, strictly
+    rising), and a restarted trainer resumes from the state the bucket holds at that moment;
+  - every version in the bucket that has a manifest verifies, and LATEST verifies (checked while
+    the trainer is dead, so nothing is being written);
+  - the proxy's accounting balances (accepted = delivered + dropped_stale + buffered) after every
+    restart and at the end; the groups lost with a proxy are the ones its last /stats buffered;
+  - the trainer kept making progress; no role died on its own; no process is left behind.
+
+The same harness (Role, LocalSystem, verify_bucket, TcpRelay) is what tests/test_faults.py uses.
+This file is not collected by pytest (its name does not start with test_).
+"""
+
+import argparse
+import collections
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import sync  # noqa: E402
+from proxy import ProxyClient, ProxyError  # noqa: E402
+
+TOKEN = "chaos-token"
+PUBLISHED = re.compile(r"^published v(\d+) at step (\d+)$", re.M)
+STEP = re.compile(r"^step (\d+) v(\d+) ", re.M)
+RESUMED = re.compile(r"^(resumed from step (\d+), version (\d+)|starting fresh)", re.M)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+class Role:
+    """One role's command, run as a process in its own session (so a kill takes all of it), with
+    stdout + stderr appended to one log across restarts; each start writes a marker line."""
+
+    def __init__(self, name, cmd, log_path, env):
+        self.name, self.cmd, self.log_path, self.env = name, cmd, log_path, env
+        self.proc, self.starts, self.kills = None, 0, 0
+
+    def start(self):
+        self.starts += 1
+        with open(self.log_path, "a") as log:
+            log.write(f"=== chaos: start {self.starts} of {self.name} ===\n")
+            log.flush()
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.offset = os.path.getsize(self.log_path)
+
+    @property
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig):
+        if self.alive:
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self):
+        """SIGKILL the process group of this role (only what this harness started)."""
+        if self.alive:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.kills += 1
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, grace=10.0):
+        if self.alive:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def text(self):
+        """The whole log, every run of this role."""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def current(self):
+        """The log of the current (latest) run only."""
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self.offset)
+            return f.read()
+
+    def wait_for(self, pattern, timeout, count=1, flags=re.M):
+        """The count-th match of `pattern` in the current run's log; fails if the role exits first."""
+        deadline = time.time() + timeout
+        while True:
+            found = list(re.finditer(pattern, self.current(), flags))
+            if len(found) >= count:
+                return found[count - 1]
+            if not self.alive:
+                raise AssertionError(f"{self.name} exited (rc {self.proc.returncode}) while waiting for "
+                                     f"{pattern!r}:\n{self.current()[-3000:]}")
+            if time.time() > deadline:
+                raise AssertionError(f"{self.name}: no {pattern!r} after {timeout:.0f}s:\n{self.current()[-3000:]}")
+            time.sleep(0.1)
+
+
+class TcpRelay:
+    """127.0.0.1:port -> 127.0.0.1:target, in threads. stop() closes the listener and every open
+    connection (clients see 'connection refused'); start() listens on the same port again. Put in
+    front of the S3 server, it cuts the network without losing the server's in-memory data."""
+
+    def __init__(self, target, port=None):
+        self.target, self.port = target, port or free_port()
+        self.sock, self.conns, self.lock = None, [], threading.Lock()
+
+    def start(self):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", self.port))
+        self.sock.listen(64)
+        threading.Thread(target=self._accept, args=(self.sock,), daemon=True).start()
+        return self
+
+    def _accept(self, listener):
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(): stop listening now
+        except OSError:
+            pass
+        self.sock.close()
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def start_moto():
+    """A moto S3 server of our own (so that it can be stopped); returns (process, endpoint)."""
+    port = free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_port(port)
+    return proc, port
+
+
+def aws_env(endpoint):
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+# ----------------------------------------------------------------------------- invariants
+
+def verify_bucket(bucket, scratch):
+    """Every version with a manifest.json must verify against it, and LATEST must name one that
+    does. Call it while no trainer writes. Returns {"latest", "complete", "torn"} (torn: versions
+    with files but no manifest, left by a kill mid-publish or mid-prune)."""
+    b = sync.open_bucket(bucket) if isinstance(bucket, str) else bucket
+    latest, complete, torn = sync.latest_version(b), [], []
+    for v in sync.versions(b):
+        if b.read(f"adapters/v{v:06d}/{sync.MANIFEST}") is None:
+            torn.append(v)
+            continue
+        dest = tempfile.mkdtemp(dir=scratch)
+        try:
+            sync.pull_adapter(b, v, dest, timeout=2.0)  # raises BucketError if a file does not match
+        except sync.BucketError as e:
+            raise AssertionError(f"adapter v{v} has a manifest but does not verify: {e}") from None
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+        complete.append(v)
+    assert latest is None or latest in complete, f"LATEST = v{latest} is not a complete version (torn: {torn})"
+    return {"latest": latest, "complete": complete, "torn": torn}
+
+
+def saved_state(bucket, scratch):
+    """(step, version) of the trainer state the bucket holds now, or None."""
+    import torch
+
+    d = sync.load_trainer_state(bucket, tempfile.mkdtemp(dir=scratch))
+    if d is None:
+        return None
+    state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+    shutil.rmtree(d, ignore_errors=True)
+    return state["step"], state["version"]
+
+
+def check_accounting(stats):
+    s = stats
+    assert s["accepted"] == s["delivered"] + s["dropped_stale"] + s["buffered"], f"accounting broken: {s}"
+
+
+def check_publishes(trainer_log):
+    """Version numbers over every run of the trainer: strictly rising, so never one twice."""
+    versions = [int(v) for v, _ in PUBLISHED.findall(trainer_log)]
+    assert versions == sorted(set(versions)), f"a version was published twice or out of order: {versions}"
+    return versions
+
+
+def processes_mentioning(text):
+    """PIDs (other than this one) whose command line contains `text`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append((int(pid), cmd))
+    return found
+
+
+# ----------------------------------------------------------------------------- the system
+
+class LocalSystem:
+    """proxy.py, N rollout.py replicas (hf engine, toy task) and trainer.py as separate processes
+    on 127.0.0.1, one thread each, logs under `workdir`."""
+
+    def __init__(self, workdir, model, bucket, replicas=2, max_staleness=2, num_generations=8, env=None,
+                 trainer_args=(), replica_args=(), proxy_args=()):
+        self.workdir, self.model, self.bucket = workdir, model, bucket
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.max_staleness = max_staleness
+        self.env = {**os.environ, "PROXY_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "HF_HUB_OFFLINE": "1", **(env or {})}
+        py, G, S = sys.executable, str(num_generations), str(max_staleness)
+        self.roles = {"proxy": Role("proxy", [py, "proxy.py", "--port", str(self.port), "--max-staleness", S,
+                                              "--num-generations", G, *proxy_args],
+                                    os.path.join(workdir, "proxy.log"), self.env)}
+        for i in range(replicas):
+            cmd = [py, "rollout.py", "--engine", "hf", "--task", "toy", "--model", model, "--bucket", bucket,
+                   "--proxy", self.url, "--num-generations", G, "--max-staleness", S, "--replica-id", str(i),
+                   "--num-replicas", str(replicas), "--seed", "0", "--poll-interval", "0.5", *replica_args]
+            self.roles[f"replica-{i}"] = Role(f"replica-{i}", cmd, os.path.join(workdir, f"replica-{i}.log"),
+                                              self.env)
+        self.roles["trainer"] = Role("trainer", [py, "trainer.py", "--model", model, "--bucket", bucket, "--proxy",
+                                                 self.url, "--num-generations", G, "--max-staleness", S,
+                                                 *trainer_args], os.path.join(workdir, "trainer.log"), self.env)
+
+    @property
+    def trainer(self):
+        return self.roles["trainer"]
+
+    @property
+    def proxy(self):
+        return self.roles["proxy"]
+
+    def replicas(self):
+        return [r for name, r in self.roles.items() if name.startswith("replica-")]
+
+    def start(self):
+        self.start_proxy()
+        for role in self.roles.values():
+            if role.name != "proxy":
+                role.start()
+
+    def start_proxy(self):
+        self.proxy.start()
+        wait_port(self.port)
+
+    def client(self, max_wait=10.0):
+        return ProxyClient(self.url, token=TOKEN, max_wait=max_wait)
+
+    def stats(self):
+        s = self.client().stats()
+        check_accounting(s)
+        return s
+
+    def steps(self):
+        """The step numbers the trainer printed, over all its runs."""
+        return [int(s) for s, _ in STEP.findall(self.trainer.text())]
+
+    def dead(self):
+        """Roles that exited on their own (a kill by the harness is followed by a restart)."""
+        return {name: role.proc.returncode for name, role in self.roles.items() if not role.alive}
+
+    def stop(self):
+        for role in self.roles.values():  # the trainer first would also do; order does not matter
+            role.stop()
+
+
+# ----------------------------------------------------------------------------- the chaos run
+
+# lr 5e-6: slow enough that the toy task is not solved (no usable groups, nothing to publish) in 10 min
+TRAINER_ARGS = ["--groups-per-step", "2", "--learning-rate", "5e-6", "--lora-r", "8", "--lora-alpha", "16",
+                "--max-completion-length", "6", "--micro-batch-tokens", "256", "--save-every", "3",
+                "--max-steps", "100000", "--wait-timeout", "180", "--bucket-retry", "120", "--seed", "0"]
+REPLICA_ARGS = ["--prompts-per-batch", "2", "--max-new-tokens", "6", "--proxy-wait", "600"]
+PROXY_ARGS = ["--max-groups", "24"]
+
+
+class Report:
+    """What a chaos run counts: kills per role, invariant checks passed, groups lost, failures."""
+
+    def __init__(self, roles):
+        self.kills = dict.fromkeys(roles, 0)
+        self.checks = collections.Counter()
+        self.lost, self.failures, self.trainer_runs = [], [], []  # trainer_runs: (run number, versions seen)
+
+    def check(self, name, ok=True, failure=None):
+        if ok:
+            self.checks[name] += 1
+        else:
+            self.failures.append(failure)
+
+
+def kill_proxy(system, rng, report):
+    """SIGKILL the proxy, note what it buffered (its /stats just before), restart it on its port."""
+    last = system.stats()  # raises if the counters do not balance
+    report.check("accounting balanced")
+    system.proxy.kill()
+    report.lost.append(last["buffered"])
+    time.sleep(rng.uniform(0.5, 5))
+    system.start_proxy()
+    time.sleep(3)
+    system.stats()
+    report.check("accounting balanced")
+
+
+def kill_trainer(system, rng, scratch, report):
+    """SIGKILL the trainer; while it is dead, verify the bucket; restart it and compare its first
+    line with the state the bucket holds."""
+    system.trainer.kill()
+    verify_bucket(system.bucket, scratch)  # raises AssertionError: LATEST incomplete or a manifest broken
+    report.check("bucket verified")
+    state, seen = saved_state(system.bucket, scratch), sync.versions(system.bucket)
+    time.sleep(rng.uniform(0, 3))
+    system.trainer.start()
+    m = system.trainer.wait_for(RESUMED.pattern, 120)
+    got = None if m.group(1) == "starting fresh" else (int(m.group(2)), int(m.group(3)))
+    report.check("resume matched the saved state", got == state,
+                 f"trainer resumed from {got}, but the bucket held state {state}")
+    report.trainer_runs.append((system.trainer.starts, seen))
+
+
+def kill_replica(role, rng):
+    time.sleep(rng.uniform(0, 1))  # somewhere in a batch
+    role.kill()
+    time.sleep(rng.uniform(0, 3))
+    role.start()
+
+
+def final_checks(system, scratch, report, work):
+    """After the run (every role stopped): bucket, version numbers, logs, processes."""
+    try:
+        final = verify_bucket(system.bucket, scratch)
+        report.check("bucket verified")
+    except (AssertionError, sync.BucketError) as e:
+        report.failures.append(str(e))
+        final = {"latest": None, "complete": [], "torn": []}
+    log = system.trainer.text()
+    try:
+        check_publishes(log)
+        report.check("no version published twice")
+    except AssertionError as e:
+        report.failures.append(str(e))
+    runs = {r.split(" ", 1)[0]: r for r in log.split("=== chaos: start ")[1:]}
+    for run, seen in report.trainer_runs:
+        first = [int(v) for v, _ in PUBLISHED.findall(runs[str(run)])][:1]
+        if first:
+            report.check("first publish after a restart above every version seen", not seen or first[0] > max(seen),
+                         f"trainer run {run} published v{first[0]}, not above v{max(seen)} already in the bucket")
+    for role in system.roles.values():
+        text = role.text()
+        report.check("no traceback or error line in a log", "Traceback" not in text and ": error: " not in text,
+                     f"a traceback or error line in {role.log_path}")
+    left = processes_mentioning(work)
+    report.check("no process left behind", not left, f"processes left behind: {left}")
+    return final
+
+
+def chaos(args):
+    rng = random.Random(args.seed)
+    work = tempfile.mkdtemp(prefix=f"chaos-{args.seed}-")
+    scratch = os.path.join(work, "scratch")
+    os.makedirs(scratch)
+    print(f"chaos: seed {args.seed}, {args.minutes} min, logs in {work}", flush=True)
+    import tiny_model
+
+    model = args.model or tiny_model.build(os.path.join(work, "tiny"))
+    moto, env, bucket = None, {}, os.path.join(work, "bucket")
+    if args.s3:
+        moto, moto_port = start_moto()
+        env = aws_env(f"http://127.0.0.1:{moto_port}")
+        os.environ.update(env)  # this process verifies the bucket too
+        import boto3
+
+        name = f"chaos-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=name)
+        bucket = f"s3://{name}/run"
+    system = LocalSystem(work, model, bucket, env=env, trainer_args=TRAINER_ARGS, replica_args=REPLICA_ARGS,
+                         proxy_args=PROXY_ARGS)
+    report = Report(system.roles)
+    before = 0
+    system.start()
+    try:
+        system.trainer.wait_for(r"^step 1 ", 240)
+        deadline = time.time() + args.minutes * 60
+        while (left := deadline - time.time()) > 0:
+            time.sleep(min(rng.uniform(5, 25), left))
+            if system.dead() or time.time() >= deadline:
+                break
+            name = rng.choice(list(system.roles))
+            if name == "proxy":
+                kill_proxy(system, rng, report)
+            elif name == "trainer":
+                kill_trainer(system, rng, scratch, report)
+            else:
+                kill_replica(system.roles[name], rng)
+            report.kills[name] += 1
+            print(f"chaos: {time.strftime('%H:%M:%S')} killed {name}; trainer at step "
+                  f"{max(system.steps(), default=0)}", flush=True)
+        gone = system.dead()
+        report.check("no role died on its own", not gone, f"died on their own (exit codes): {gone}")
+        before = max(system.steps(), default=0)
+        system.trainer.wait_for(r"^step \d+ ", 180, count=len(STEP.findall(system.trainer.current())) + 1)
+        report.check("the trainer still steps at the end")
+        system.stats()
+        report.check("accounting balanced")
+    except (AssertionError, OSError, ProxyError, sync.BucketError) as e:
+        report.failures.append(f"{type(e).__name__}: {str(e)[:2000]}")
+    finally:
+        system.stop()
+    try:
+        final = final_checks(system, scratch, report, work)
+    finally:
+        if moto is not None:
+            os.killpg(moto.pid, signal.SIGKILL)
+            moto.wait()
+
+    log, steps = system.trainer.text(), system.steps()
+    versions = [int(v) for v, _ in PUBLISHED.findall(log)]
+    resent = len(re.findall(r"sending version \d+ again", log))
+    too_stale = sum(int(n) for n in re.findall(r"^dropped (\d+) groups more than", log, re.M))
+    print("\n==== chaos summary ====")
+    print(f"seed {args.seed}, {args.minutes:g} min, bucket {'s3' if args.s3 else 'directory'}, logs {work}")
+    print("kills: " + ", ".join(f"{k} {v}" for k, v in report.kills.items()) +
+          f"; restarts: {sum(r.starts - 1 for r in system.roles.values())}")
+    print(f"trainer: {system.trainer.starts} runs, {len(steps)} step lines (redone steps included), last step "
+          f"{max(steps, default=0)} ({before} when the killing stopped)")
+    print(f"versions published: {len(versions)} (v{min(versions, default=0)}..v{max(versions, default=0)}); "
+          f"bucket at the end: LATEST v{final['latest']}, complete {final['complete']}, torn {final['torn']}")
+    print(f"groups lost with the proxy: {sum(report.lost)} over {len(report.lost)} proxy kills "
+          f"(buffered at its last /stats: {report.lost})")
+    print(f"the trainer re-sent its version to a restarted proxy {resent} times; it dropped {too_stale} groups "
+          "too stale for it")
+    print("invariant checks passed: " + ", ".join(f"{k} x{v}" for k, v in report.checks.items()) +
+          f" ({sum(report.checks.values())} in all)")
+    print("FAILURES:\n  " + "\n  ".join(report.failures) if report.failures else "no failures")
+    if not args.keep and not report.failures:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if report.failures else 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=3.0, help="how long to keep killing roles")
+    p.add_argument("--seed", type=int, default=0, help="seed for which role dies when")
+    p.add_argument("--s3", action="store_true", help="use an s3:// bucket on a moto_server of its own")
+    p.add_argument("--model", help="base model folder (default: build tests/tiny_model.py's)")
+    p.add_argument("--keep", action="store_true", help="keep the logs and bucket even when all checks pass")
+    sys.exit(chaos(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

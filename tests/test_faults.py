@@ -1,0 +1,465 @@
+"""Faults (issue 7): any role can die, the run goes on and loses nothing it should keep.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_faults.py -q -s
+    python tests/chaos.py --minutes 10 --seed 0      # the same harness, killing at random for minutes
+
+Real processes on 127.0.0.1 (tests/chaos.py's LocalSystem: proxy.py, two `rollout.py --engine hf
+--task toy` replicas and trainer.py on the tiny model, a directory bucket), killed with SIGKILL.
+Tests 1-4 share one running system, in file order, so that its start (~20 s) is paid once; each
+test starts from every role alive and ends by checking that none died on its own.
+
+1. A replica killed mid-batch: the other carries on, the trainer keeps stepping (no wait near its
+   --wait-timeout); restarted, the replica loads the newest adapter and its groups are current.
+2. The proxy killed and restarted on its port: replicas and trainer retry and go on; the counters
+   of the new proxy balance; the only groups lost are those the dead proxy buffered (its /stats,
+   taken while every other role was frozen with SIGSTOP, so the number is exact); the restarted
+   proxy learns the trainer's version again; an answer cut by the kill is retried, not fatal.
+3. The trainer killed at 6 points (seeded order): just after a publish and before the state save,
+   mid-publish, mid-save, during its start, and twice after a random step and delay. After each
+   kill every version in the bucket that has a manifest verifies and LATEST is one of them; the
+   restart resumes from exactly the state the bucket holds; no version number is published twice.
+4. The bucket fails: the directory is replaced by a file for a few seconds (root ignores chmod) while
+   the trainer publishes: it retries with one clear line and goes on, the replicas keep serving the
+   adapter they have, nothing partial is loaded, no metrics line is lost. The S3 server cut off
+   (a TCP relay in front of moto_server, stopped and started) during a publish: the same retry.
+5. Bad input from outside, each one clear line and no traceback: a replica with another
+   --num-generations than the proxy, an adapter (or trainer state) made for another base model,
+   a trainer pointed at something that is not a proxy. (A wrong token, an unreachable proxy and a
+   missing bucket are in test_rollout.py, test_trainer.py and test_sync.py.)
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import chaos
+import proxy
+import sync
+from chaos import PUBLISHED, RESUMED, STEP, LocalSystem, check_accounting, saved_state, verify_bucket
+from conftest import ROOT
+
+WAIT_TIMEOUT = 60  # the trainer's --wait-timeout in the shared system
+GROUPS_PER_STEP = 2
+SAVE_EVERY = 3
+TRAINER_ARGS = ["--groups-per-step", str(GROUPS_PER_STEP), "--learning-rate", "3e-5", "--lora-r", "8",
+                "--lora-alpha", "16", "--max-completion-length", "6", "--micro-batch-tokens", "256",
+                "--save-every", str(SAVE_EVERY), "--max-steps", "100000", "--wait-timeout", str(WAIT_TIMEOUT),
+                "--bucket-retry", "60", "--seed", "0"]
+
+
+def steps_in(text):
+    return [int(s) for s, _ in STEP.findall(text)]
+
+
+@pytest.fixture(scope="module")
+def system(tiny_model, tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("faults"))
+    s = LocalSystem(work, tiny_model, os.path.join(work, "bucket"), trainer_args=TRAINER_ARGS,
+                    replica_args=chaos.REPLICA_ARGS, proxy_args=chaos.PROXY_ARGS)
+    s.scratch = os.path.join(work, "scratch")
+    os.makedirs(s.scratch)
+    s.start()
+    try:
+        s.trainer.wait_for(r"^step 2 ", 180)
+        for r in s.replicas():
+            r.wait_for(r"\] batch 1 ", 120)
+        yield s
+    finally:
+        s.stop()
+        left = chaos.processes_mentioning(work)
+        assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture
+def running(system):
+    """The shared system with every role up; after the test, none may have died on its own."""
+    for role in system.roles.values():
+        if not role.alive:  # an earlier test failed: give this one a whole system
+            role.start() if role.name != "proxy" else system.start_proxy()
+    yield system
+    assert not system.dead(), {n: system.roles[n].current()[-2000:] for n in system.dead()}
+    for role in system.roles.values():
+        assert "Traceback" not in role.text(), role.text()[-3000:]
+
+
+def next_step(s, more=1, timeout=90):
+    """Wait until the trainer's current run prints `more` new step lines; returns the last one's number."""
+    m = s.trainer.wait_for(r"^step (\d+) ", timeout, count=len(steps_in(s.trainer.current())) + more)
+    return int(m.group(1))
+
+
+# ----------------------------------------------------------------------------- 1. a replica dies
+
+def test_replica_killed_mid_batch_the_other_carries_on_and_it_rejoins_current(running):
+    s = running
+    r0 = s.roles["replica-0"]
+    t_kill = time.time()
+    r0.wait_for(r"\] batch \d+ ", 60, count=len(re.findall(r"\] batch \d+ ", r0.current())) + 1)
+    time.sleep(0.05)  # it has just pushed a batch: now it checks LATEST and generates the next
+    r0.kill()
+    accepted1 = s.stats()["workers"]["replica-1"]["accepted"]
+    last = next_step(s, more=3)  # three steps fed by replica-1 alone
+    assert s.stats()["workers"]["replica-1"]["accepted"] > accepted1
+
+    latest = sync.latest_version(s.bucket)
+    r0.start()
+    loaded = int(r0.wait_for(r"adapter v(\d+) loaded", 120).group(1))
+    assert loaded >= latest, f"the restarted replica loaded v{loaded}, older than LATEST v{latest} at its start"
+    b = r0.wait_for(r"\] batch 1 v(\d+) \(trainer v(\d+)\).* accepted (\d+) stale (\d+)", 120)
+    version, trainer_version, accepted, stale = map(int, b.groups())
+    assert trainer_version - version <= s.max_staleness and (accepted, stale) == (2, 0), b.group(0)
+    next_step(s)
+    waits = [m["wait_s"] for m in sync.read_metrics(s.bucket) if m["time"] >= t_kill]
+    print(f"\nreplica-0 killed mid-batch at trainer step {last - 3}; restarted, loaded v{loaded} (LATEST was "
+          f"v{latest}), first batch v{version} at trainer v{trainer_version}; longest trainer wait meanwhile "
+          f"{max(waits):.1f}s (--wait-timeout {WAIT_TIMEOUT})")
+    assert max(waits) < WAIT_TIMEOUT / 2
+
+
+# ----------------------------------------------------------------------------- 2. the proxy dies
+
+def test_proxy_killed_and_restarted_loses_only_its_buffer(running):
+    s = running
+    others = [r for r in s.roles.values() if r.name != "proxy"]
+    for r in others:  # freeze the clients so that the last /stats is exactly what dies
+        r.signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        before = s.stats()
+        s.proxy.kill()
+    finally:
+        for r in others:
+            r.signal(signal.SIGCONT)
+    time.sleep(3)  # every client meets a dead port and retries
+    s.start_proxy()
+    next_step(s, more=3)
+    for r in s.replicas():  # both push to the new proxy
+        r.wait_for(r"\] batch \d+ ", 60, count=len(re.findall(r"\] batch \d+ ", r.current())) + 1)
+    for r in others:
+        assert "cannot reach the proxy" in r.current() or "connection broke" in r.current(), r.name
+
+    # the new proxy learns the trainer's version (re-sent by the client, or at the next publish)
+    for _ in range(50):
+        after, latest = s.stats(), sync.latest_version(s.bucket)
+        if after["trainer_version"] == latest:
+            break
+        time.sleep(0.2)
+    assert after["trainer_version"] == latest, (after["trainer_version"], latest)
+
+    # nothing but the dead buffer is lost: what both proxies delivered is what the trainer consumed,
+    # less what the trainer holds in its current, unfinished step (frozen while we count)
+    s.trainer.signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        after = s.stats()
+        recs = sync.read_metrics(s.bucket)
+        text = s.trainer.text()
+    finally:
+        s.trainer.signal(signal.SIGCONT)
+    check_accounting(after)
+    assert s.trainer.starts == 1, "this check needs one trainer run (metrics of redone steps would count twice)"
+    consumed = sum(m["groups_used"] + m["groups_skipped"] for m in recs)
+    dropped = sum(int(n) for n in re.findall(r"^dropped (\d+) groups more than", text, re.M))
+    delivered = before["delivered"] + after["delivered"]
+    in_hand = delivered - consumed - dropped
+    print(f"\nproxy killed with {before['buffered']} groups buffered (lost), {before['accepted']} accepted before; "
+          f"new proxy: {after['accepted']} accepted = {after['delivered']} delivered + {after['dropped_stale']} "
+          f"stale + {after['buffered']} buffered; trainer consumed {consumed}, {dropped} dropped as too stale, "
+          f"{in_hand} in its unfinished step")
+    assert 0 <= in_hand <= 5 * GROUPS_PER_STEP, "groups were lost beyond the dead proxy's buffer"
+
+
+def test_client_re_announces_its_version_to_a_restarted_proxy(capsys):
+    server, _ = proxy.serve(port=0, max_staleness=1)
+    port = server.server_address[1]
+    client = proxy.ProxyClient(f"http://127.0.0.1:{port}", max_wait=10)
+    client.set_version(5)
+    server.shutdown()
+    server.server_close()
+    server, _ = proxy.serve(port=port, max_staleness=1)  # restarted: trainer_version 0 again
+    try:
+        group = {"group_id": "old", "policy_version": 1, "worker": "w", "prompt": "p", "prompt_ids": [1],
+                 "completions": [{"ids": [2], "logprobs": [-1.0], "reward": 1.0, "text": "x", "finish_reason": "stop"}]}
+        proxy.ProxyClient(f"http://127.0.0.1:{port}").post_rollouts([group])  # accepted: the proxy thinks v0
+        got = client.get_batch(1, timeout=1)
+        assert got["trainer_version"] == 0 and len(got["groups"]) == 1  # the trainer drops it (gather_groups)
+        assert server.buffer.stats()["trainer_version"] == 5
+        assert "sending version 5 again" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_client_retries_an_answer_cut_by_a_dying_proxy():
+    """A proxy SIGKILLed while it writes an answer leaves a body shorter than its Content-Length."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    body = json.dumps({"trainer_version": 3, "buffered": 0}).encode()
+
+    def serve():
+        for i in range(2):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            conn.sendall(head.encode() + (body[:5] if i == 0 else body))  # the first answer is cut
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        stats = proxy.ProxyClient(f"http://127.0.0.1:{listener.getsockname()[1]}", max_wait=10).stats()
+        assert stats["trainer_version"] == 3
+    finally:
+        listener.close()
+
+
+# ----------------------------------------------------------------------------- 3. the trainer dies
+
+def watch_for_new_dir(parent, known, timeout):
+    """Poll (tightly) for a folder under `parent` that is not in `known`; True once one appears."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if set(os.listdir(parent)) - known:
+                return True
+        except FileNotFoundError:
+            pass
+        time.sleep(0.0005)
+    return False
+
+
+def test_trainer_killed_at_six_points_resumes_and_never_republishes(running):
+    s = running
+    t, bucket = s.trainer, s.bucket
+    rng = random.Random(7)
+    points = rng.sample(["after-publish", "mid-publish", "mid-save", "startup", "random", "random"], 6)
+    history = []
+    for point in points:
+        if point == "after-publish":  # between a publish and its state save: the state is older than LATEST
+            n = len(PUBLISHED.findall(t.current()))
+            while True:
+                m = t.wait_for(PUBLISHED.pattern, 120, count=n + 1)
+                if int(m.group(2)) % SAVE_EVERY:
+                    break
+                n += 1
+        elif point == "mid-publish":  # a new adapters/vN folder appears: its files are being written
+            adapters = os.path.join(bucket, "adapters")
+            t.wait_for(r"^step \d+ ", 120)  # past the start
+            hit = watch_for_new_dir(adapters, set(os.listdir(adapters)), 60)
+            assert hit, "no publish within 60 s"
+        elif point == "mid-save":  # a new trainer/ID folder appears: the state is being written
+            folder = os.path.join(bucket, "trainer")
+            t.wait_for(r"^step \d+ ", 120)
+            assert watch_for_new_dir(folder, set(os.listdir(folder)), 60), "no state save within 60 s"
+        elif point == "startup":  # model load, resume, republish
+            time.sleep(rng.uniform(0.5, 4.0))
+        else:
+            next_step(s, more=rng.randint(1, 3))
+            time.sleep(rng.uniform(0.0, 1.0))
+        t.kill()
+        found = verify_bucket(bucket, s.scratch)  # LATEST complete; every manifest verifies
+        adapters = os.path.join(bucket, "adapters")
+        unfinished = sorted(d for d in os.listdir(adapters)  # folders the kill left without a manifest
+                            if d.startswith("v") and not os.path.exists(os.path.join(adapters, d, "manifest.json")))
+        state, seen = saved_state(bucket, s.scratch), sync.versions(bucket)
+        t.start()
+        m = t.wait_for(RESUMED.pattern, 120)
+        got = None if m.group(1) == "starting fresh" else (int(m.group(2)), int(m.group(3)))
+        assert got == state, f"after the kill at {point}: resumed from {got}, the bucket holds {state}"
+        history.append((point, state, found["latest"], unfinished, max(seen), t.starts))
+    next_step(s, more=2, timeout=120)
+
+    text = t.text()
+    chaos.check_publishes(text)  # strictly rising over all runs: never a number twice
+    runs = {int(r.split(" ", 1)[0]): r for r in text.split("=== chaos: start ")[1:]}
+    for point, (step, version), latest, unfinished, newest, run in history:
+        published = [int(v) for v, _ in PUBLISHED.findall(runs[run])]
+        steps = steps_in(runs[run])
+        assert not published or published[0] > newest, f"run {run} published v{published[0]}, v{newest} existed"
+        assert not steps or steps[0] == step + 1, f"run {run} (after {point}) went on at step {steps[0]}, saved {step}"
+        print(f"killed {point:>13}: state step {step} v{version}, LATEST v{latest}, unfinished {unfinished} -> "
+              f"restart {run} published {published[:3]}...")
+    assert any(h[0] == "after-publish" and h[2] > h[1][1] for h in history), "no kill fell between publish and save"
+    cut = {int(v[1:]) for h in history for v in h[3]} - {int(v) for v, _ in PUBLISHED.findall(text)}
+    assert not cut & loaded_versions(s), "a replica loaded a version whose publish was cut"  # (a number with
+    # only temp files written is not "seen" and may be published whole by the restart: not counted here)
+
+
+def loaded_versions(s):
+    return {int(v) for r in s.replicas() for v in re.findall(r"adapter v(\d+) loaded", r.text())}
+
+
+# ----------------------------------------------------------------------------- 4. the bucket fails
+
+def test_directory_bucket_outage_trainer_retries_replicas_keep_serving(running):
+    s = running
+    bucket, away = s.bucket, s.bucket + ".away"
+    before = len(sync.read_metrics(bucket))
+    next_step(s)  # a step just ended: its publish and metrics line land in the outage
+    os.rename(bucket, away)
+    with open(bucket, "w") as f:  # a file where the folder was: every write fails, even for root
+        f.write("outage")
+    time.sleep(6)
+    os.remove(bucket)
+    os.rename(away, bucket)
+    last = next_step(s, more=2)
+    text = s.trainer.current()
+    assert re.search(r"^sync\.py: (write|read) \S+ failed, retrying for up to 60 s: ", text, re.M), text[-3000:]
+    assert re.search(r"^sync\.py: (write|read) \S+ done after \d+\.\d s of retries", text, re.M)
+    serving = [r.name for r in s.replicas() if "still serving v" in r.current()]
+    assert serving, "no replica noticed the outage"
+    published = {int(v) for v, _ in PUBLISHED.findall(s.trainer.text())}
+    assert loaded_versions(s) <= published | {sync.latest_version(bucket)}, "a replica loaded an unpublished version"
+    verify_bucket(bucket, s.scratch)
+    recs = sync.read_metrics(bucket)
+    assert len(recs) >= before + 3, "metrics lines were lost in the outage"
+    assert set(range(1, last + 1)) <= {m["step"] for m in recs}, "a step's metrics line is missing"
+    print(f"\nbucket folder gone for 6 s: the trainer retried and went on to step {last}; replicas {serving} "
+          "kept serving their adapter")
+
+
+def test_s3_outage_is_retried_and_readers_keep_what_they_have(tmp_path, capfd):
+    moto, moto_port = chaos.start_moto()
+    relay = chaos.TcpRelay(moto_port).start()
+    old = {k: os.environ.get(k) for k in chaos.aws_env("")}
+    os.environ.update(chaos.aws_env(f"http://127.0.0.1:{relay.port}"))
+    try:
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="faults")
+        writer = sync.open_bucket("s3://faults/run", retry_s=30)
+        reader = sync.open_bucket("s3://faults/run")  # a replica's: no retries, it keeps its adapter
+        for v in (0, 1):
+            d = tmp_path / f"a{v}"
+            d.mkdir()
+            (d / "adapter_config.json").write_text(json.dumps({"r": 8, "v": v}))
+            (d / "adapter_model.safetensors").write_bytes(os.urandom(50_000))
+        sync.publish_adapter(writer, str(tmp_path / "a0"), 0)
+        assert sync.latest_version(reader) == 0
+        relay.stop()
+        threading.Timer(4.0, relay.start).start()  # the endpoint is back after 4 s
+        start = time.monotonic()
+        with pytest.raises(sync.BucketError, match="cannot reach the S3 endpoint"):
+            sync.latest_version(reader)
+        sync.publish_adapter(writer, str(tmp_path / "a1"), 1)  # waits the outage out
+        assert time.monotonic() - start >= 3.5
+        err = capfd.readouterr().err
+        assert re.search(r"sync\.py: (read|write) \S+ failed, retrying for up to 30 s: .*cannot reach the S3", err)
+        assert re.search(r"sync\.py: (read|write) \S+ done after \d+\.\d s of retries", err)
+        assert verify_bucket(reader, str(tmp_path))["latest"] == 1
+    finally:
+        relay.stop()
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        os.killpg(moto.pid, signal.SIGKILL)
+        moto.wait()
+
+
+# ----------------------------------------------------------------------------- 5. bad input
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def one_error_line(r, prog):
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout[-1000:] + r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"{prog}: error: "), r.stderr[-2000:]
+    return line
+
+
+@pytest.fixture(scope="module")
+def other_model(tiny_model, tmp_path_factory):
+    """The tiny model's tokenizer on a narrower network (hidden 64): another base model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = str(tmp_path_factory.mktemp("other-model"))
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in os.listdir(tiny_model):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(os.path.join(tiny_model, name), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_input(tiny_model, tmp_path_factory):
+    """A proxy that wants 8 completions per group, and a bucket with v0 and a trainer state of the tiny model."""
+    import torch
+
+    import trainer
+
+    root = tmp_path_factory.mktemp("bad-input")
+    bucket = str(root / "bucket")
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3)
+    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0)
+    trainer.save_state(model, optimizer, bucket, {"step": 0, "version": 0, "published_step": 0,
+                                                  "groups_consumed": 0, "guard": {"history": [], "warned_step": 0},
+                                                  "args": {"model": tiny_model, "lora_r": 8}})
+    server, _ = proxy.serve(port=0, num_generations=8)
+    yield {"bucket": bucket, "url": f"http://127.0.0.1:{server.server_address[1]}", "server": server}
+    server.shutdown()
+    server.server_close()
+
+
+def rollout_cmd(model, bucket, url, *extra):
+    return [sys.executable, "rollout.py", "--engine", "hf", "--task", "toy", "--model", model, "--bucket", bucket,
+            "--proxy", url, "--prompts-per-batch", "1", "--max-new-tokens", "4", "--max-batches", "1", *extra]
+
+
+def test_replica_with_another_num_generations_than_the_proxy(tiny_model, bad_input):
+    r = subprocess.run(rollout_cmd(tiny_model, bad_input["bucket"], bad_input["url"], "--num-generations", "4"),
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    line = one_error_line(r, "rollout.py")
+    assert "4 completions" in line and "start rollout.py with --num-generations 8" in line, line
+
+
+def test_replica_on_another_base_model_than_the_adapter(tiny_model, other_model, bad_input):
+    r = subprocess.run(rollout_cmd(other_model, bad_input["bucket"], bad_input["url"], "--num-generations", "8"),
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    line = one_error_line(r, "rollout.py")
+    assert f"trained on --model {tiny_model}" in line and f"do not fit --model {other_model}" in line, line
+    assert "start rollout.py with the trainer's --model" in line
+    assert f"note: adapter v0 was trained on --model {tiny_model}" in r.stdout
+
+
+def test_trainer_resuming_on_another_base_model(other_model, bad_input, tiny_model):
+    r = subprocess.run([sys.executable, "trainer.py", "--model", other_model, "--bucket", bad_input["bucket"],
+                        "--proxy", bad_input["url"], "--lora-r", "8", "--max-steps", "1"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    line = one_error_line(r, "trainer.py")
+    assert f"(--model {tiny_model}, --lora-r 8) does not fit --model {other_model}" in line, line
+    assert "run with that run's settings, or another --bucket" in line
+    assert sync.latest_version(bad_input["bucket"]) == 0, "nothing may be published"
+
+
+def test_trainer_pointed_at_something_that_is_not_a_proxy(tiny_model, tmp_path):
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    web = HTTPServer(("127.0.0.1", 0), Quiet)  # a plain web server: 404 for /stats
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", str(tmp_path / "b"),
+                            "--proxy", f"http://127.0.0.1:{web.server_address[1]}", "--max-steps", "1"],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    finally:
+        web.shutdown()
+        web.server_close()
+    line = one_error_line(r, "trainer.py")
+    assert "HTTP 404" in line and "is the URL a proxy.py?" in line, line
+    assert not os.path.exists(tmp_path / "b"), "nothing may be written before the proxy answered"
