@@ -227,12 +227,15 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 
 # ----------------------------------------------------------------------------- guard
 
-def guard_check(history, max_staleness, window=GUARD_WINDOW):
+def guard_check(history, max_staleness, starved=False, window=GUARD_WINDOW):
     """The silent failure of async RL: replicas that never pick up new adapters. history: one dict
     per step with version, newest_policy, ratio_mean, clip_low_frac, clip_high_frac, staleness_mean.
-    Returns the reasons to warn (empty list = all well)."""
+    `starved`: the trainer has been waiting for usable groups. A newest policy_version that stood
+    still for a few steps is normal at start-up or with slow replicas; it is a failure only when
+    the trainer then starves (the proxy drops every group as too stale). Returns the reasons to
+    warn (empty list = all well)."""
     reasons = []
-    if len(history) >= window:
+    if starved and len(history) >= window:
         last = history[-window:]
         newest = last[-1]["newest_policy"]
         behind = last[-1]["version"] - newest
@@ -260,13 +263,16 @@ def guard_message(reasons, bucket_url):
 
 # ----------------------------------------------------------------------------- data
 
-def gather_groups(client, n, wait_timeout, bucket_url, log=print, version=None, max_staleness=None):
+def gather_groups(client, n, wait_timeout, bucket_url, log=print, version=None, max_staleness=None,
+                  on_starved=None):
     """Long-poll the proxy until n usable groups (rewards not all equal) are in hand, or 4n skipped
     ones and no usable one (a solved task). Returns (usable, skipped): skipped ones have no signal.
     Groups more than max_staleness behind `version` are dropped: only a proxy restarted since the
-    last POST /version hands them out (the client then sends the version again)."""
+    last POST /version hands them out (the client then sends the version again).
+    on_starved() is called once if the wait exceeds starve_s (the guard's check)."""
     groups, skipped = [], []
     start = last_log = time.time()
+    starve_s = min(30.0, wait_timeout / 2) if wait_timeout else 30.0
     while len(groups) < n and (groups or len(skipped) < 4 * n):
         waited = time.time() - start
         if wait_timeout and waited > wait_timeout:
@@ -278,7 +284,10 @@ def gather_groups(client, n, wait_timeout, bucket_url, log=print, version=None, 
             log(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {len(skipped)} skipped with equal "
                 f"rewards (their mean {sum(r) / max(len(r), 1):.3f}: 1.0 means the task is solved for this policy)")
             last_log = time.time()
-        poll = 30.0 if not wait_timeout else max(1.0, min(30.0, wait_timeout - waited))
+        if on_starved and waited >= starve_s:
+            on_starved()
+            on_starved = None
+        poll = max(0.5, min(30.0, (wait_timeout or 1e9) - waited, starve_s - waited if on_starved else 30.0))
         batch = client.get_batch(n - len(groups), timeout=poll)["groups"]
         if version is not None:
             fresh = [g for g in batch if version - g["policy_version"] <= max_staleness]
@@ -391,6 +400,11 @@ def train(args):
         step, groups_consumed, guard = state["step"], state["groups_consumed"], state["guard"]
     tmp.cleanup()
 
+    def warn(reasons):
+        if reasons:
+            print(guard_message(reasons, bucket.url), file=sys.stderr, flush=True)
+            guard["warned_step"] = step
+
     def snapshot(version, published_step):
         return {"step": step, "version": version, "published_step": published_step,
                 "groups_consumed": groups_consumed, "guard": guard, "args": vars(args)}
@@ -405,7 +419,9 @@ def train(args):
     while step < args.max_steps:
         t0 = time.time()
         groups, skipped = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
-                                        version=version, max_staleness=args.max_staleness)
+                                        version=version, max_staleness=args.max_staleness,
+                                        on_starved=lambda: warn(guard_check(guard["history"], args.max_staleness,
+                                                                            starved=True)))
         groups_consumed += len(groups) + len(skipped)
         for g in skipped:
             check_group(g, args.num_generations)
@@ -453,10 +469,8 @@ def train(args):
               f"{rec['tokens_per_s']:.0f} tok/s", flush=True)
 
         guard["history"] = (guard["history"] + [dict(rec, newest_policy=max(rec["policy_versions"]))])[-GUARD_WINDOW:]
-        reasons = guard_check(guard["history"], args.max_staleness)
-        if reasons and step - guard["warned_step"] >= 10:  # loud, but not on every line
-            print(guard_message(reasons, bucket.url), file=sys.stderr, flush=True)
-            guard["warned_step"] = step
+        if step - guard["warned_step"] >= 10:  # loud, but not on every line
+            warn(guard_check(guard["history"], args.max_staleness))
 
         if (step % args.sync_every == 0 or step == args.max_steps) and updated_since_publish:
             updated_since_publish = False
