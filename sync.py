@@ -10,8 +10,7 @@ AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (HF: https://s3.hf.co
     metrics.jsonl       one JSON object per trainer step
 
 A mounted bucket is eventually consistent (a file can appear before its bytes, LATEST before the
-files it names), so pull_adapter hands out a version only once every file matches manifest.json
-(size and sha256), and otherwise retries with backoff up to a timeout.
+files it names), so pull_adapter hands out a version only once every file matches manifest.json.
 
     python sync.py ls runs/bucket                          # versions, sizes, ages, LATEST
     python sync.py push runs/bucket ./my-adapter --version 3
@@ -48,37 +47,31 @@ class _Outage(Exception):
 class Bucket:
     """The storage interface: .url, read(key) -> bytes | None, write(key, data: bytes),
     list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated.
-
-    retry_s (open_bucket's argument, default 0): once the bucket has worked, a read or write that
-    fails in a way that may pass (S3 endpoint unreachable or 5xx, a mounted folder gone or not
-    writable) is retried with backoff for up to retry_s seconds, with one stderr line when the
-    outage starts and one when it ends, then BucketError. A bucket that never worked fails at
-    once: a wrong setting is reported now, not after minutes of retries."""
+    Once the bucket has worked, a failure that may pass (S3 unreachable or 5xx, a mount gone or
+    read-only) is retried for up to retry_s seconds (open_bucket's argument; one stderr line as the
+    outage starts, one as it ends), then BucketError. A bucket that never worked fails at once."""
 
     retry_s = 0.0
 
     def _retrying(self, what, attempt, retry):
-        since, delay = None, 0.5
-        while True:
+        try:
+            return attempt()
+        except _Outage as e:
+            if not (retry and self.retry_s > 0):
+                raise BucketError(str(e)) from None
+            error, since, delay = e, time.monotonic(), 0.5
+        print(f"sync.py: {what} failed, retrying for up to {self.retry_s:g} s: {error}", file=sys.stderr)
+        while (left := since + self.retry_s - time.monotonic()) > 0:  # backoff 0.5 s .. 10 s
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 10.0)
             try:
                 result = attempt()
             except _Outage as e:
-                now = time.monotonic()
-                since = now if since is None else since
-                if not (retry and self.retry_s > 0):
-                    raise BucketError(str(e)) from None
-                if now - since >= self.retry_s:
-                    raise BucketError(f"{e} (still failing after {self.retry_s:g} s of retries)") from None
-                if delay == 0.5:  # one line per outage, not per attempt
-                    print(f"sync.py: {what} failed, retrying for up to {self.retry_s:g} s: {e}", file=sys.stderr,
-                          flush=True)
-                time.sleep(min(delay, self.retry_s - (now - since)))
-                delay = min(2 * delay, 10.0)
+                error = e
                 continue
-            if since is not None:
-                print(f"sync.py: {what} done after {time.monotonic() - since:.1f} s of retries", file=sys.stderr,
-                      flush=True)
+            print(f"sync.py: {what} done after {time.monotonic() - since:.1f} s of retries", file=sys.stderr)
             return result
+        raise BucketError(f"{error} (still failing after {self.retry_s:g} s of retries)")
 
 
 class DirBucket(Bucket):
@@ -174,8 +167,7 @@ class S3Bucket(Bucket):
         return self._retrying(what, lambda: self._call_once(what, fn), self.answered)
 
     def _call_once(self, what, fn):
-        """Run one S3 request; turn botocore's exceptions into a BucketError that says what to set
-        (an _Outage when the endpoint is unreachable or answers 5xx)."""
+        """One S3 request; botocore's errors become a BucketError saying what to set (or an _Outage)."""
         from botocore import exceptions as bx
 
         outage = False
@@ -216,8 +208,7 @@ class S3Bucket(Bucket):
         return self._call(f"read {key}", get)
 
     def write(self, key, data):
-        self._call(f"write {key}", lambda: self.client.put_object(
-            Bucket=self.name, Key=self._key(key), Body=data))
+        self._call(f"write {key}", lambda: self.client.put_object(Bucket=self.name, Key=self._key(key), Body=data))
 
     def list(self, prefix=""):
         full, skip = self._key(prefix), len(self.prefix) + 1 if self.prefix else 0
@@ -232,8 +223,7 @@ class S3Bucket(Bucket):
 
 
 def open_bucket(url, retry_s=0.0):
-    """A local path (also a mounted bucket) or s3://bucket/prefix -> Bucket. retry_s: ride out an
-    outage of a bucket that worked before for up to this many seconds (see Bucket)."""
+    """A local path (also a mounted bucket) or s3://bucket/prefix -> Bucket (retry_s: see Bucket)."""
     url = os.fspath(url)
     if url.startswith("hf://"):
         raise BucketError(f"{url}: mount it (hf jobs run -v hf://buckets/USER/NAME:/bucket) and pass "
@@ -254,49 +244,45 @@ def _entry(data):
 
 
 def _try_fetch(b, prefix):
-    """One attempt at manifest.json under prefix and every file it lists.
-    Returns (problem, key, None), or (None, None, {name: bytes}) with the manifest included."""
-    raw, entries = b.read(prefix + MANIFEST), None
-    try:
-        entries = {n: (e["bytes"], e["sha256"]) for n, e in json.loads(raw)["files"].items()}
+    """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
+    manifest, None) when all match, else (None, what is wrong, e.g. "KEY is missing")."""
+    raw = b.read(prefix + MANIFEST)
+    try:  # json.loads(None) is a TypeError: a missing manifest lands here too
+        entries = {n: {"sha256": e["sha256"], "bytes": e["bytes"]} for n, e in json.loads(raw)["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
-        pass
-    if entries is None:
-        return ("is missing" if raw is None else "is not a complete manifest"), prefix + MANIFEST, None
+        return None, f"{prefix}{MANIFEST} {'is missing' if raw is None else 'is not a complete manifest'}"
     files = {MANIFEST: raw}
-    for name, (size, sha) in sorted(entries.items()):
+    for name, entry in sorted(entries.items()):
         if name.startswith("/") or ".." in name.split("/"):
             raise BucketError(f"{b.url}: {prefix}{MANIFEST} names an unsafe path {name!r}")
-        data = b.read(prefix + name)
+        data = files[name] = b.read(prefix + name)
         if data is None:
-            return "is missing", prefix + name, None
-        if _entry(data) != {"sha256": sha, "bytes": size}:
-            return f"has {len(data)} bytes not matching the manifest ({size} bytes, sha256)", prefix + name, None
-        files[name] = data
-    return None, None, files
+            return None, f"{prefix}{name} is missing"
+        if _entry(data) != entry:
+            return None, (f"{prefix}{name} has {len(data)} bytes not matching the manifest "
+                          f"({entry['bytes']} bytes, sha256)")
+    return files, None
 
 
 def _fetch_verified(b, prefix, timeout, what):
-    """Retry _try_fetch with exponential backoff (50 ms .. 2 s) until it succeeds or timeout."""
+    """_try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed."""
     deadline, delay = time.monotonic() + timeout, 0.05
-    while True:
-        problem, key, files = _try_fetch(b, prefix)
-        if problem is None:
-            return files
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {key} {problem}; "
-                              f"check that the writer finished (python sync.py ls {b.url}) and that "
-                              "it was not pruned, or raise the timeout")
+    files, problem = _try_fetch(b, prefix)
+    while files is None and (left := deadline - time.monotonic()) > 0:  # the backoff of Bucket._retrying
         if delay == 0.05:
-            log.info("%s: waiting for %s: %s %s", b.url, what, key, problem)
+            log.info("%s: waiting for %s: %s", b.url, what, problem)
         time.sleep(min(delay, left))
         delay = min(2 * delay, 2.0)
+        files, problem = _try_fetch(b, prefix)
+    if files is None:
+        raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {problem}; check that the "
+                          f"writer finished (python sync.py ls {b.url}) and was not pruned, or raise the timeout")
+    return files
 
 
 def _verified_local(folder):
     """True when a local folder holds a manifest.json and every file it lists, bytes matching."""
-    return _try_fetch(DirBucket(folder), "")[0] is None
+    return _try_fetch(DirBucket(folder), "")[0] is not None
 
 
 def versions(bucket):
@@ -306,40 +292,32 @@ def versions(bucket):
 
 def latest_version(bucket):
     """The version adapters/LATEST names; None when nothing was published (or LATEST is torn)."""
-    raw = _open(bucket).read(LATEST)
     try:
-        return None if raw is None else int(json.loads(raw)["version"])
-    except (ValueError, KeyError, TypeError):
+        return int(json.loads(_open(bucket).read(LATEST))["version"])
+    except (ValueError, KeyError, TypeError):  # TypeError: json.loads(None), no LATEST
         return None
 
 
 def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
-    """Upload the files of a PEFT folder to adapters/v{version:06d}/, then its manifest.json (with
-    meta, e.g. base_model=..., step=...), then adapters/LATEST; then delete all but the newest
-    `keep` versions (None keeps all). An existing version, or one not newer than LATEST, is
-    refused: versions are immutable. Returns the manifest."""
-    b = _open(bucket)
+    """Upload a PEFT folder to adapters/v{version:06d}/, then its manifest.json (+ meta such as step),
+    then adapters/LATEST; then delete all but the newest `keep` versions (None keeps all). Returns
+    the manifest. Versions are immutable: an existing one, or one not newer than LATEST, is refused."""
+    b, src = _open(bucket), DirBucket(adapter_dir)
     if not isinstance(version, int) or version < 0:
         raise BucketError(f"adapter version must be an int >= 0, got {version!r}")
-    try:
-        names = sorted(n for n in os.listdir(adapter_dir)
-                       if os.path.isfile(os.path.join(adapter_dir, n)) and n != MANIFEST)
-    except OSError as e:
-        raise BucketError(f"cannot read adapter folder {adapter_dir}: {e.strerror}") from None
-    if not names:
-        raise BucketError(f"{adapter_dir} holds no files: pass the folder PEFT's save_pretrained wrote")
+    files = {n: src.read(n) for n in src.list() if "/" not in n and n != MANIFEST}  # a pulled copy has one
+    if not files:
+        raise BucketError(f"{adapter_dir} holds no files (or is not a folder): pass the folder PEFT's "
+                          "save_pretrained wrote")
     prefix, latest = f"adapters/v{version:06d}/", latest_version(b)
     exists = b.read(prefix + MANIFEST) is not None
     if exists or (latest is not None and version <= latest):
         raise BucketError(f"{b.url}: adapter v{version:06d} {'already exists' if exists else 'is not newer'} "
                           f"(LATEST is {latest}): versions are immutable, publish {(latest or 0) + 1} or later")
-    files = {}
-    for name in names:
-        with open(os.path.join(adapter_dir, name), "rb") as f:
-            data = f.read()
+    for name, data in files.items():
         b.write(prefix + name, data)
-        files[name] = _entry(data)
-    manifest = {**meta, "version": version, "created": time.time(), "files": files}
+    manifest = {**meta, "version": version, "created": time.time(),
+                "files": {n: _entry(d) for n, d in files.items()}}
     b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
     b.write(LATEST, json.dumps({"version": version}).encode())
     for old in versions(b)[:-max(1, keep)] if keep is not None else []:
@@ -375,16 +353,13 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
 def save_trainer_state(bucket, local_dir):
     """Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
     then delete older states: a crash at any point leaves the previous state loadable."""
-    b, files = _open(bucket), {}
-    for folder, _, names in os.walk(local_dir):
-        for n in names:
-            with open(os.path.join(folder, n), "rb") as f:
-                files[os.path.relpath(f.name, local_dir).replace(os.sep, "/")] = f.read()
+    b, src = _open(bucket), DirBucket(local_dir)
+    files = {rel: src.read(rel) for rel in src.list()}
     if MANIFEST in files:
         raise BucketError(f"{local_dir}/{MANIFEST}: that name is reserved for sync.py's manifest")
     state_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
     prefix = f"trainer/{state_id}/"
-    for rel, data in sorted(files.items()):
+    for rel, data in files.items():
         b.write(prefix + rel, data)
     manifest = {"id": state_id, "created": time.time(), "files": {k: _entry(v) for k, v in files.items()}}
     b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
