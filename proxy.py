@@ -31,7 +31,7 @@ import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl
 
 log = logging.getLogger("proxy")
 
@@ -42,10 +42,8 @@ MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |log-prob| and |reward| below this; also rejects NaN and +-Infinity
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
 RETRY_AFTER_S = 1       # what a 429 tells a replica to wait
-GROUP_KEYS = {"group_id", "policy_version", "worker", "prompt", "prompt_ids", "completions"}
-COMPLETION_KEYS = {"ids", "logprobs", "reward", "text", "finish_reason"}
-ROUTES = {("POST", "/rollouts"): "rollouts", ("GET", "/batch"): "batch", ("POST", "/version"): "version",
-          ("GET", "/stats"): "stats", ("GET", "/healthz"): "healthz"}
+WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered")  # counted in total and per worker
+ROUTES = {"/rollouts": "POST", "/batch": "GET", "/version": "POST", "/stats": "GET", "/healthz": "GET"}
 
 
 class ProxyError(Exception):
@@ -71,72 +69,60 @@ def _check(ok, where, what):
         raise ApiError(f"{where}: {what}")
 
 
-def _get(d, key, where):
-    _check(key in d, f"{where}.{key}", "missing")
-    return d[key]
+def _finite(x):  # bool is not a number here; NaN fails both comparisons
+    return type(x) in (int, float) and -MAX_ABS < x < MAX_ABS
 
 
-def _string(d, key, where, limit=None):
-    v = _get(d, key, where)
-    _check(type(v) is str, f"{where}.{key}", f"must be a string, got {type(v).__name__}")
-    _check(limit is None or 0 < len(v) <= limit, f"{where}.{key}", f"must have 1 to {limit} characters")
-    return v
+def _index(x):  # a token id or a version
+    return type(x) is int and 0 <= x < MAX_INT
 
 
-def _ints(xs, where):
-    _check(type(xs) is list, where, f"must be a list of token ids, got {type(xs).__name__}")
-    _check(all(type(x) is int for x in xs), where, "must hold integers only")
-    _check(not xs or (min(xs) >= 0 and max(xs) < MAX_INT), where, f"token ids must lie in [0, {MAX_INT})")
+# The JSON schema (DESIGN.md), one row per field: (test, what the value must be). Any other field is
+# refused, so that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
+NAME = (lambda v: type(v) is str and 0 < len(v) <= MAX_NAME, f"a string of 1 to {MAX_NAME} characters")
+TEXT = (lambda v: type(v) is str, "a string")
+VERSION = (_index, f"an integer in [0, {MAX_INT})")
+TOKEN_IDS = (lambda v: type(v) is list and all(map(_index, v)), f"a list of token ids in [0, {MAX_INT})")
+GROUP = {"group_id": NAME, "policy_version": VERSION, "worker": NAME, "prompt": TEXT, "prompt_ids": TOKEN_IDS,
+         "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
+                         f"a list of 1 to {MAX_COMPLETIONS} completions")}
+COMPLETION = {"ids": TOKEN_IDS, "logprobs": (lambda v: type(v) is list, "a list of numbers"),
+              "reward": (_finite, "a finite number"), "text": TEXT,
+              "finish_reason": (lambda v: type(v) is str and 0 < len(v) <= 64, "a string of 1 to 64 characters")}
 
 
-def _keys(d, where, allowed):
-    extra = set(d) - allowed
-    _check(not extra, where, f"unknown fields {sorted(extra)[:5]} (expected {sorted(allowed)})")
-
-
-def _number(x):  # bool is not a number here; NaN fails both comparisons
-    return (type(x) is float or type(x) is int) and -MAX_ABS < x < MAX_ABS
+def check_fields(d, where, schema):
+    """Raise ApiError naming the first field of the JSON object `d` that `schema` does not allow."""
+    _check(type(d) is dict, where, "must be a JSON object")
+    extra = set(d) - set(schema)
+    _check(not extra, where, f"unknown fields {sorted(extra)[:5]} (expected {sorted(schema)})")
+    for key, (ok, what) in schema.items():
+        _check(key in d, f"{where}.{key}", "missing")
+        _check(ok(d[key]), f"{where}.{key}", f"must be {what}, got {type(d[key]).__name__}")
 
 
 def validate_group(g, where="group", num_generations=None):
-    """Raise ApiError naming the first bad field of one group (the schema is in README.md)."""
-    _check(type(g) is dict, where, "must be a JSON object")
-    _keys(g, where, GROUP_KEYS)
-    _string(g, "group_id", where, MAX_NAME)
-    _string(g, "worker", where, MAX_NAME)
-    _string(g, "prompt", where)
-    v = _get(g, "policy_version", where)
-    _check(type(v) is int and 0 <= v < MAX_INT, f"{where}.policy_version", f"must be an integer in [0, {MAX_INT})")
-    _ints(_get(g, "prompt_ids", where), f"{where}.prompt_ids")
-    comps = _get(g, "completions", where)
-    _check(type(comps) is list and comps, f"{where}.completions", "must be a non-empty list")
-    if num_generations and len(comps) != num_generations:
-        raise ApiError(f"{where}.completions: {len(comps)} completions, but this proxy expects {num_generations} "
+    """Raise ApiError naming the first bad field of one group."""
+    check_fields(g, where, GROUP)
+    n = len(g["completions"])
+    if num_generations and n != num_generations:
+        raise ApiError(f"{where}.completions: {n} completions, but this proxy expects {num_generations} "
                        f"per group: start rollout.py with --num-generations {num_generations}")
-    _check(len(comps) <= MAX_COMPLETIONS, f"{where}.completions", f"more than {MAX_COMPLETIONS} completions")
-    for j, c in enumerate(comps):
+    for j, c in enumerate(g["completions"]):
         w = f"{where}.completions[{j}]"
-        _check(type(c) is dict, w, "must be a JSON object")
-        _keys(c, w, COMPLETION_KEYS)
-        ids, lps = _get(c, "ids", w), _get(c, "logprobs", w)
-        _ints(ids, f"{w}.ids")
-        _check(type(lps) is list, f"{w}.logprobs", "must be a list of numbers")
-        bad = next((i for i, x in enumerate(lps) if not _number(x)), None)
+        check_fields(c, w, COMPLETION)
+        lps, ids = c["logprobs"], c["ids"]
+        bad = next((i for i, x in enumerate(lps) if not _finite(x)), None)
         if bad is not None:
             raise ApiError(f"{w}.logprobs[{bad}]: must be a finite number, got {str(lps[bad])[:40]}")
         _check(len(lps) == len(ids), f"{w}.logprobs", f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
-        _check(_number(_get(c, "reward", w)), f"{w}.reward", "must be a finite number")
-        _string(c, "text", w)
-        _string(c, "finish_reason", w, 64)
 
 
 def validate_rollouts(payload, max_groups, num_generations=None):
     """The groups of a POST /rollouts body, every one checked before anything is changed."""
-    _check(type(payload) is dict, "body", 'must be a JSON object {"groups": [...]}')
-    _keys(payload, "body", {"groups"})
-    groups = _get(payload, "groups", "body")
-    _check(type(groups) is list and groups, "groups", "must be a non-empty list of groups")
-    _check(len(groups) <= max_groups, "groups", f"{len(groups)} groups in one POST exceed --max-groups {max_groups}")
+    check_fields(payload, "body", {"groups": (lambda v: type(v) is list and v != [], "a non-empty list")})
+    groups = payload["groups"]
+    _check(len(groups) <= max_groups, "groups", f"{len(groups)} in one POST exceed --max-groups {max_groups}")
     for i, g in enumerate(groups):
         validate_group(g, f"groups[{i}]", num_generations)
     return groups
@@ -152,19 +138,16 @@ def parse_json(body):
 
 def parse_batch_query(query, max_groups):
     """(groups, timeout) from the query string of GET /batch?groups=N&timeout=S."""
-    try:
-        q = parse_qs(query, keep_blank_values=True, max_num_fields=4)
-    except ValueError:
-        raise ApiError("query: too many parameters (expected groups and timeout)") from None
-    _check(set(q) <= {"groups", "timeout"}, "query", f"unknown parameters {sorted(set(q) - {'groups', 'timeout'})}")
-    _check(all(len(v) == 1 for v in q.values()), "query", "a parameter is given twice")
-    n = q.get("groups", [""])[0]
+    pairs = parse_qsl(query, keep_blank_values=True)  # http.server caps the request line at 64 KiB
+    q = dict(pairs)
+    _check(set(q) <= {"groups", "timeout"} and len(q) == len(pairs), "query", "expected groups=N&timeout=S")
+    n = q.get("groups", "")
     _check(n.isascii() and n.isdigit() and len(n) <= 12 and 1 <= int(n) <= max_groups, "groups",
            f"must be an integer in [1, {max_groups}]")
     try:
-        timeout = float(q.get("timeout", ["0"])[0])
+        timeout = float(q.get("timeout", "0"))
     except ValueError:
-        timeout = -1.0
+        timeout = -1.0  # refused just below
     _check(0.0 <= timeout < float("inf"), "timeout", "must be a number of seconds >= 0")
     return int(n), min(timeout, MAX_POLL_S)
 
@@ -179,46 +162,41 @@ class RolloutBuffer:
         self.cond = threading.Condition()
         self.groups = collections.deque()
         self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
-        self.counts = dict.fromkeys(["received", "accepted", "duplicates", "refused_full", "rejected",
-                                     "dropped_stale", "delivered"], 0)
+        self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "refused_full", "rejected"], 0)
         self.trainer_version, self.closed, self.started = 0, False, time.time()
-        self.waiting = 0  # GET /batch calls blocked for lack of groups (replicas that hold back look at it)
+        self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
         self.staleness = collections.Counter()  # trainer_version - policy_version of delivered groups
-        self.workers = {}
+        self.workers = {}  # worker name -> its own WORKER_COUNTS
 
     def _usable(self, g):
         return self.trainer_version - g["policy_version"] <= self.max_staleness
 
-    def _worker(self, name):
-        if name not in self.workers and len(self.workers) >= MAX_WORKERS:
-            name = "(other)"
-        return self.workers.setdefault(name, dict.fromkeys(["accepted", "duplicates", "dropped_stale", "delivered"], 0))
+    def _count(self, key, groups):
+        """Add `groups` to the counter `key`, in total and for each group's worker."""
+        self.counts[key] += len(groups)
+        for g in groups:
+            name = g["worker"] if g["worker"] in self.workers or len(self.workers) < MAX_WORKERS else "(other)"
+            self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += 1
 
     def add(self, groups):
         """Buffer the new, fresh groups of a validated POST; None (nothing kept) when they don't fit."""
         with self.cond:
-            new, ids, dups = [], set(), []
-            for g in groups:
+            self.counts["received"] += len(groups)
+            new, dups, ids = [], [], set()
+            for g in groups:  # a group_id seen before, or twice in this POST, is a retry: counted, not kept
                 (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
                 ids.add(g["group_id"])
             fresh = [g for g in new if self._usable(g)]
-            self.counts["received"] += len(groups)
             if len(self.groups) + len(fresh) > self.max_groups:
                 self.counts["refused_full"] += len(groups)
                 return None
-            for g in new:
-                self.seen.add(g["group_id"])
-                self.seen_order.append(g["group_id"])
-                self._worker(g["worker"])["accepted"] += 1
-                if not self._usable(g):
-                    self._worker(g["worker"])["dropped_stale"] += 1
+            self.seen.update(g["group_id"] for g in new)
+            self.seen_order.extend(g["group_id"] for g in new)
             while len(self.seen_order) > self.remember_ids:
                 self.seen.discard(self.seen_order.popleft())
-            for g in dups:
-                self._worker(g["worker"])["duplicates"] += 1
-            self.counts["accepted"] += len(new)
-            self.counts["duplicates"] += len(dups)
-            self.counts["dropped_stale"] += len(new) - len(fresh)
+            self._count("accepted", new)
+            self._count("duplicates", dups)
+            self._count("dropped_stale", [g for g in new if not self._usable(g)])
             self.groups.extend(fresh)
             self.cond.notify_all()
             return {"accepted": len(new), "duplicates": len(dups), "stale": len(new) - len(fresh),
@@ -227,20 +205,13 @@ class RolloutBuffer:
     def take(self, n, timeout):
         """Up to n groups, oldest first, waiting up to `timeout` s for n to be there (no busy wait).
         The buffer only ever holds usable groups: stale ones are dropped on arrival and on /version."""
-        deadline = time.monotonic() + timeout
         with self.cond:
-            self.waiting += 1  # seen by /stats only while cond.wait() below has released the lock
-            while len(self.groups) < n and not self.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.cond.wait(left)
-            self.waiting -= 1
+            self.waiting += n  # seen by /stats only while wait_for() has released the lock
+            self.cond.wait_for(lambda: len(self.groups) >= n or self.closed, timeout)
+            self.waiting -= n
             out = [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
-            for g in out:
-                self.staleness[self.trainer_version - g["policy_version"]] += 1
-                self._worker(g["worker"])["delivered"] += 1
-            self.counts["delivered"] += len(out)
+            self.staleness.update(self.trainer_version - g["policy_version"] for g in out)
+            self._count("delivered", out)
             return out, self.trainer_version
 
     def set_version(self, version):
@@ -250,14 +221,10 @@ class RolloutBuffer:
                 raise ApiError(f"version {version} is lower than this proxy's trainer_version {self.trainer_version} "
                                "(a trainer resumed from older state? restart the proxy)", 409)
             self.trainer_version = version
-            kept = collections.deque(g for g in self.groups if self._usable(g))
-            for g in self.groups:
-                if not self._usable(g):
-                    self._worker(g["worker"])["dropped_stale"] += 1
-            dropped = len(self.groups) - len(kept)
-            self.groups = kept
-            self.counts["dropped_stale"] += dropped
-            return {"dropped": dropped, "trainer_version": version}
+            stale = [g for g in self.groups if not self._usable(g)]
+            self.groups = collections.deque(g for g in self.groups if self._usable(g))
+            self._count("dropped_stale", stale)
+            return {"dropped": len(stale), "trainer_version": version}
 
     def count_rejected(self):
         with self.cond:
@@ -270,7 +237,8 @@ class RolloutBuffer:
 
     def stats(self):
         with self.cond:
-            return {**self.counts, "buffered": len(self.groups), "waiting": self.waiting,
+            return {**self.counts, "buffered": len(self.groups),  # waiting: groups a blocked trainer still lacks
+                    "waiting": max(0, self.waiting - len(self.groups)),
                     "trainer_version": self.trainer_version, "max_staleness": self.max_staleness,
                     "max_groups": self.max_groups,
                     "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
@@ -285,56 +253,48 @@ class ProxyHandler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # an answer goes out at once, not after a delayed ACK
     server_version, sys_version = "proxy.py", ""  # no Python version advertised
     default_request_version = "HTTP/1.0"  # so that even a garbled request line gets a status line back
-    buffer, token, max_body, num_generations = None, None, 0, None
-
-    @classmethod
-    def bind(cls, buffer, token, max_body, num_generations, timeout):
-        """A handler class that carries one server's state (no module globals)."""
-        return type("BoundProxyHandler", (cls,), dict(buffer=buffer, token=token, max_body=max_body,
-                                                       num_generations=num_generations, timeout=timeout))
+    buffer, token, max_body, num_generations = None, None, 0, None  # serve() binds one server's own
 
     def log_message(self, format, *args):  # quiet: the server logs a summary once a minute
         pass
 
-    def do_GET(self):
-        self._serve("GET")
-
-    def do_POST(self):
-        self._serve("POST")
-
-    def _serve(self, method):
+    def _serve(self):
+        method, (path, _, query) = self.command, self.path.partition("?")
         self._body_pending = "Content-Length" in self.headers or "Transfer-Encoding" in self.headers
-        path, _, query = self.path.partition("?")
+        if self.buffer.closed:  # a kept-alive connection to a closed server: hang up, the client reconnects
+            self.close_connection = True
+            return
         code, headers = 200, {}
         try:
-            route = ROUTES.get((method, path))
-            if route is None and path in {p for _, p in ROUTES}:
-                raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": "GET" if method == "POST" else "POST"})
-            if route is None:
+            if path not in ROUTES:
                 raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves POST /rollouts, GET /batch, "
                                "POST /version, GET /stats, GET /healthz", 404)
-            if route != "healthz":
-                self._authorize()
-            payload = getattr(self, "_" + route)(query)
+            if method != ROUTES[path]:
+                raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
+            got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
+            if path != "/healthz" and self.token and not hmac.compare_digest(got, b"Bearer " + self.token.encode()):
+                raise ApiError("missing or wrong token: send 'Authorization: Bearer <PROXY_TOKEN>'", 401,
+                               {"WWW-Authenticate": "Bearer"})
+            payload = getattr(self, "_" + path[1:])(query)  # _rollouts, _batch, ... below
         except ApiError as e:
             code, payload, headers = e.code, {"error": str(e)}, e.headers
         except Exception:
             log.exception("proxy: internal error on %s %s", method, path[:80])
             code, payload = 500, {"error": "internal error (see the proxy's log)"}
-        if 400 <= code < 500 and code != 429:
-            self.buffer.count_rejected()
         self._reply(code, payload, headers)
+
+    do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (bad request line, unknown method) as JSON, like ours."""
         if code == HTTPStatus.NOT_IMPLEMENTED:  # an unknown method is the client's error
             code, message = 405, f"method {str(self.command)[:20]!r} is not allowed"
-        if 400 <= code < 500:
-            self.buffer.count_rejected()
         self.close_connection = True
         self._reply(code, {"error": message or HTTPStatus(code).phrase})
 
     def _reply(self, code, payload, headers=None):
+        if 400 <= code < 500 and code != 429:  # a bad request; 429 (full) is one to retry
+            self.buffer.count_rejected()
         body = json.dumps(payload, separators=(",", ":")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -347,34 +307,24 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _authorize(self):
-        if self.token is None:
-            return
-        got = self.headers.get("Authorization", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(got, b"Bearer " + self.token.encode()):  # constant time
-            raise ApiError("missing or wrong token: send 'Authorization: Bearer <PROXY_TOKEN>'", 401,
-                           {"WWW-Authenticate": "Bearer"})
-
     def _read_json(self):
-        if "Transfer-Encoding" in self.headers:
-            raise ApiError("send the body with a Content-Length (chunked bodies are not accepted)", 411)
         lengths = self.headers.get_all("Content-Length") or []
-        if not lengths:
-            raise ApiError("Content-Length is required", 411)
+        if "Transfer-Encoding" in self.headers or not lengths:
+            raise ApiError("Content-Length is required (chunked bodies are not accepted)", 411)
         n = lengths[0].strip()
-        if len(lengths) > 1 or not (n.isascii() and n.isdigit() and len(n) <= 18):
-            raise ApiError("Content-Length: must be one non-negative integer")
-        if int(n) > self.max_body:  # refused from the header alone; the connection is then closed
+        _check(len(lengths) == 1 and n.isascii() and n.isdigit() and len(n) <= 18, "Content-Length",
+               "must be one non-negative integer")
+        n = int(n)
+        if n > self.max_body:  # refused from the header alone; the connection is then closed
             raise ApiError(f"body of {n} bytes exceeds --max-body-mb ({self.max_body} bytes): "
                            "send fewer groups per POST", 413)
         try:
-            body = self.rfile.read(int(n))
+            body = self.rfile.read(n)
         except socket.timeout:  # TimeoutError from Python 3.10 on
             raise ApiError(f"body not received within {self.timeout:g} s", 408) from None
         except OSError:
             raise ApiError("body: the connection broke while it was read") from None
-        if len(body) < int(n):
-            raise ApiError(f"body: ended after {len(body)} of the {n} bytes of its Content-Length")
+        _check(len(body) == n, "body", f"ended after {len(body)} of the {n} bytes of its Content-Length")
         self._body_pending = False
         return parse_json(body)
 
@@ -394,10 +344,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def _version(self, query):
         body = self._read_json()
-        _check(type(body) is dict, "body", 'must be a JSON object {"version": <int>}')
-        v = _get(body, "version", "body")
-        _check(type(v) is int and 0 <= v < MAX_INT, "version", f"must be an integer in [0, {MAX_INT})")
-        return self.buffer.set_version(v)
+        check_fields(body, "body", {"version": VERSION})
+        return self.buffer.set_version(body["version"])
 
     def _stats(self, query):
         return self.buffer.stats()
@@ -407,16 +355,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
 
 class ProxyServer(ThreadingHTTPServer):
-    """One thread per connection; closing it closes the open connections; logs once a minute."""
+    """One thread per connection; closing it wakes the long polls; logs once a minute."""
     daemon_threads = True
     block_on_close = False  # long polls and idle keep-alive connections must not hold up server_close()
     request_queue_size = 1024  # socketserver's 5 drops connections when many replicas (re)connect at once
 
     def __init__(self, address, handler, log_every=60.0):
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.buffer, self.log_every = handler.buffer, log_every
-        self._conns, self._conns_lock = set(), threading.Lock()
         self._last_log, self._logged = time.monotonic(), self.buffer.stats()
         super().__init__(address, handler)
 
@@ -424,26 +370,9 @@ class ProxyServer(ThreadingHTTPServer):
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
-    def process_request(self, request, client_address):
-        with self._conns_lock:
-            self._conns.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request):
-        with self._conns_lock:
-            self._conns.discard(request)
-        super().shutdown_request(request)
-
     def server_close(self):
         super().server_close()
-        self.buffer.close()  # wakes the long polls
-        with self._conns_lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.buffer.close()  # wakes the long polls; a kept-alive connection hangs up at its next request
 
     def handle_error(self, request, client_address):
         if not isinstance(sys.exc_info()[1], OSError):  # a client that hangs up or speaks no TLS is no news
@@ -453,12 +382,11 @@ class ProxyServer(ThreadingHTTPServer):
         if time.monotonic() - self._last_log < self.log_every:
             return
         self._last_log, s, old = time.monotonic(), self.buffer.stats(), self._logged
-        d = {k: s[k] - old[k] for k in ("accepted", "duplicates", "dropped_stale", "delivered", "rejected",
-                                        "refused_full")}
+        d = {k: s[k] - old[k] for k in self.buffer.counts}
         if any(d.values()) or s["trainer_version"] != old["trainer_version"]:
-            log.info("proxy: in +%d (dup +%d), out +%d, dropped stale +%d, refused full +%d, rejected +%d, "
-                     "buffer %d/%d, trainer v%d", d["accepted"], d["duplicates"], d["delivered"], d["dropped_stale"],
-                     d["refused_full"], d["rejected"], s["buffered"], s["max_groups"], s["trainer_version"])
+            log.info("proxy: in +%(accepted)d (dup +%(duplicates)d), out +%(delivered)d, dropped stale "
+                     "+%(dropped_stale)d, refused full +%(refused_full)d, rejected +%(rejected)d, buffer "
+                     "%(buffered)d/%(max_groups)d, trainer v%(trainer_version)d", {**s, **d})
             self._logged = s
 
 
@@ -479,7 +407,8 @@ def serve(host="127.0.0.1", port=0, max_staleness=4, max_groups=4096, max_body_m
                           "(or listen on 127.0.0.1)")
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if max_staleness < 0 or max_groups < 1 or max_body_mb <= 0 or (num_generations is not None and num_generations < 1):
+    if max_staleness < 0 or max_groups < 1 or max_body_mb <= 0 or (
+            num_generations is not None and num_generations < 1):
         raise ConfigError("--max-staleness must be >= 0, --max-groups and --num-generations >= 1, --max-body-mb > 0")
     context = None
     if tls_cert:
@@ -489,7 +418,9 @@ def serve(host="127.0.0.1", port=0, max_staleness=4, max_groups=4096, max_body_m
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"cannot load --tls-cert {tls_cert} / --tls-key {tls_key}: {e}") from None
     buffer = RolloutBuffer(max_staleness, max_groups)
-    handler = ProxyHandler.bind(buffer, token, int(max_body_mb * 2**20), num_generations, request_timeout)
+    handler = type("BoundProxyHandler", (ProxyHandler,), dict(  # the state of this server, no module globals
+        buffer=buffer, token=token, max_body=int(max_body_mb * 2**20), num_generations=num_generations,
+        timeout=request_timeout))
     server = ProxyServer((host, port), handler, log_every)
     if context:  # the handshake happens in the connection's own thread, not in the accept loop
         server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
@@ -611,8 +542,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     try:
-        server, thread = serve(args.host, args.port, args.max_staleness, args.max_groups, args.max_body_mb,
-                               args.token, args.tls_cert, args.tls_key, args.num_generations)
+        server, thread = serve(**vars(args))
     except ConfigError as e:
         sys.exit(f"proxy.py: error: {e}")
     except OSError as e:
@@ -620,16 +550,14 @@ def main(argv=None):
     log.info("proxy: listening on %s://%s:%d (max staleness %d, buffer %d groups, token %s)",
              "https" if args.tls_cert else "http", args.host, server.server_address[1], args.max_staleness,
              args.max_groups, "required" if args.token else "off")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
     try:
-        while thread.is_alive():
-            thread.join(1.0)
+        thread.join()
     except KeyboardInterrupt:
         pass
-    finally:
-        server.shutdown()
-        server.server_close()
-        log.info("proxy: stopped: %s", {k: v for k, v in server.buffer.stats().items() if type(v) is int})
+    server.shutdown()
+    server.server_close()
+    log.info("proxy: stopped: %s", {k: v for k, v in server.buffer.stats().items() if type(v) is int})
 
 
 if __name__ == "__main__":
