@@ -29,9 +29,11 @@ def run_env(tiny_model, name, **extra):
     return env
 
 
-def processes_of(run_dir):
-    """PIDs whose command line mentions the run's folder (the bucket lives there)."""
-    run_dir = os.path.relpath(run_dir, ROOT)  # jobs.sh passes runs/NAME/bucket
+def processes_of(run_dir, proxy_port):
+    """(pid, command) of the run's processes: those whose command line mentions the run's folder
+    (replicas and trainer get runs/NAME/bucket) and the proxy on its port."""
+    run_dir = os.path.relpath(run_dir, ROOT)
+    proxy = f"proxy.py --host 127.0.0.1 --port {proxy_port} "
     pids = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -41,9 +43,18 @@ def processes_of(run_dir):
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if run_dir in cmd:
+        if run_dir in cmd or proxy in cmd:
             pids.append((int(pid), cmd))
     return pids
+
+
+def kill_leftovers(run_dir, proxy_port):
+    """Whatever a failed test left running must not load the machine for the rest of the suite."""
+    for pid, _ in processes_of(run_dir, proxy_port):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def listening(port):
@@ -62,10 +73,15 @@ def run_name():
 
 
 def test_local_run_learns_and_cleans_up(tiny_model, run_name):
-    env = run_env(tiny_model, run_name)
-    res = subprocess.run(["bash", "jobs.sh", "--local"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    run = os.path.join(ROOT, "runs", run_name)
+    env, run = run_env(tiny_model, run_name), os.path.join(ROOT, "runs", run_name)
+    port = int(env["PROXY_PORT"])
+    try:
+        res = subprocess.run(["bash", "jobs.sh", "--local"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=900)
+        time.sleep(1)
+        left = processes_of(run, port)
+    finally:
+        kill_leftovers(run, port)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     with open(os.path.join(run, "bucket", "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
@@ -83,13 +99,13 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
     for f in ["proxy.log", "trainer.log", "rollout-0.log", "eval-base.json", "eval-final.json", "stats.json"]:
         assert os.path.exists(os.path.join(run, f)), f
     assert "MAX_STALENESS" in res.stdout  # settings printed at start
-    time.sleep(1)
-    assert processes_of(run) == [] and not listening(int(env["PROXY_PORT"]))  # the proxy is gone too
+    assert left == []  # replica, trainer and proxy are all gone
 
 
 def test_local_run_ctrl_c_leaves_no_process(tiny_model, run_name):
     run = os.path.join(ROOT, "runs", run_name)
     env = run_env(tiny_model, run_name, STEPS="500")
+    port = int(env["PROXY_PORT"])
     # A shell started with SIGINT ignored (as under a CI runner that put us in the background) can
     # not trap it; a terminal's Ctrl-C reaches a foreground jobs.sh with the default disposition.
     proc = subprocess.Popen(["bash", "jobs.sh", "--local"], cwd=ROOT, start_new_session=True, env=env,
@@ -103,13 +119,15 @@ def test_local_run_ctrl_c_leaves_no_process(tiny_model, run_name):
                 break
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(1)
-        assert len(processes_of(run)) >= 2  # trainer and replica (and the proxy) are running
+        assert len(processes_of(run, port)) >= 3  # trainer, replica and proxy are running
         os.kill(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
+        time.sleep(1)
+        left = processes_of(run, port)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        kill_leftovers(run, port)
     assert proc.returncode == 130, out[-2000:]
     assert "interrupted" in out
-    time.sleep(1)
-    assert processes_of(run) == [] and not listening(int(env["PROXY_PORT"]))
+    assert left == [] and not listening(port)
