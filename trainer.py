@@ -29,11 +29,10 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 2. Groups may be up to --max-staleness versions old (the proxy drops older ones); a version is one
    adapter publication, so with --sync-every 1 staleness counts optimizer steps.
 3. One optimizer step per batch (TRL's num_iterations = 1, mu = 1 in the paper).
-4. Zero-variance groups (all rewards equal) are skipped and more groups pulled until
-   --groups-per-step usable ones are in hand (DAPO's dynamic sampling); TRL keeps them, with zero
-   advantage, in the loss's normaliser. So that a task the policy has solved cannot stall the
-   run, 4 x --groups-per-step skipped groups with no usable one make a step with no update (and
-   nothing new to publish).
+4. Zero-variance groups (all rewards equal) are skipped and more pulled until --groups-per-step
+   usable ones are in hand (DAPO's dynamic sampling; TRL keeps them, with zero advantage, in the
+   normaliser). So that a solved task cannot stall the run, 4 x --groups-per-step skipped groups
+   with no usable one make a step with no update (and nothing new to publish).
 5. Constant learning rate, no warmup (TRL decays linearly by default); AdamW, no weight decay.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
@@ -88,24 +87,22 @@ def parse_args(argv=None):
     a("--lora-r", type=int, default=16, help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")
     a("--lora-alpha", type=int, default=32, help="LoRA alpha (scale = alpha / r)")
     a("--lora-target", default="all-linear", help="'all-linear' or comma-separated module names, e.g. q_proj,v_proj")
-    a("--wait-timeout", type=float, default=1800.0,
-      help="give up after this many seconds without a usable group (0 = never)")
-    a("--bucket-retry", type=float, default=300.0,
-      help="keep retrying a bucket read/write that fails after the bucket worked (an outage) this many seconds")
+    a("--wait-timeout", type=float, default=1800.0, help="seconds with no usable group before giving up (0: never)")
+    a("--bucket-retry", type=float, default=300.0, help="seconds to retry a bucket that worked before (an outage)")
     a("--report-to", default="none", choices=["none", "trackio", "wandb"], help="also send each step's metrics there")
     return p.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- model
 
-def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0, device=None):
+def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0):
     """Base model + fresh LoRA (B = 0, so version 0 is the base policy). bf16 on GPU, fp32 on CPU."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
+    cuda = torch.cuda.is_available()
+    base = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.bfloat16 if cuda else torch.float32)
+    base = base.to("cuda" if cuda else "cpu")
     base.config.use_cache = False
     targets = lora_target if lora_target == "all-linear" else [t.strip() for t in lora_target.split(",")]
     config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=targets,
@@ -121,16 +118,12 @@ def lora_parameters(model):
 # ----------------------------------------------------------------------------- batch
 
 def check_group(g, num_generations):
-    """A group must hold G completions with one log-prob per generated id."""
+    """A group must hold G completions (the proxy has checked one log-prob per generated id)."""
     n = len(g["completions"])
     if n != num_generations:
         raise TrainerError(f"group {g.get('group_id')} from worker {g.get('worker')} has {n} completions but "
                            f"the trainer runs --num-generations {num_generations}: start rollout.py with "
                            f"--num-generations {num_generations} (or change the trainer's)")
-    for c in g["completions"]:
-        if len(c["logprobs"]) != len(c["ids"]):
-            raise TrainerError(f"group {g.get('group_id')}: {len(c['ids'])} ids but {len(c['logprobs'])} "
-                               "log-probs; the replica must return one log-prob per generated token")
 
 
 def flatten_groups(groups, num_generations, max_completion_length):
@@ -162,35 +155,31 @@ def make_microbatches(seqs, max_tokens):
     return batches
 
 
-def collate(seqs, idx, advantages, device, pad_id=0):
+def collate(seqs, idx, advantages, device):
     """Left-pad prompts and right-pad completions, so every completion starts at the same column
-    (as TRL lays out its batch): [pad.. prompt | completion ..pad]."""
+    (as TRL lays out its batch): [pad.. prompt | completion ..pad]. Padding is id 0; the masks hide it."""
     P = max(len(seqs[i]["prompt_ids"]) for i in idx)
     C = max(len(seqs[i]["ids"]) for i in idx)
-    n = len(idx)
-    input_ids = torch.full((n, P + C), pad_id, dtype=torch.long)  # (n, P+C)
-    attn = torch.zeros((n, P + C), dtype=torch.long)  # (n, P+C) 1 on prompt and completion tokens
-    comp_ids = torch.full((n, C), pad_id, dtype=torch.long)  # (n, C)
-    old = torch.zeros((n, C), dtype=torch.float32)  # (n, C) sampler log-probs, 0 on padding
-    mask = torch.zeros((n, C), dtype=torch.float32)  # (n, C) 1 on generated tokens (EOS included), from lengths
+    input_ids = torch.zeros((len(idx), P + C), dtype=torch.long)  # (n, P+C)
+    attn = torch.zeros_like(input_ids)  # (n, P+C) 1 on prompt and completion tokens
+    old = torch.zeros((len(idx), C))  # (n, C) sampler log-probs, 0 on padding
+    mask = torch.zeros((len(idx), C))  # (n, C) 1 on generated tokens (EOS included), from lengths
     for r, i in enumerate(idx):
         pr, ids = seqs[i]["prompt_ids"], seqs[i]["ids"]
-        input_ids[r, P - len(pr):P] = torch.tensor(pr)
-        input_ids[r, P:P + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        input_ids[r, P - len(pr):P + len(ids)] = torch.tensor(list(pr) + list(ids))
         attn[r, P - len(pr):P + len(ids)] = 1
-        comp_ids[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        old[r, :len(ids)] = torch.tensor(seqs[i]["logprobs"], dtype=torch.float32)
+        old[r, :len(ids)] = torch.tensor(seqs[i]["logprobs"])
         mask[r, :len(ids)] = 1.0
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (n, P+C) positions as if unpadded
-    to = lambda t: t.to(device)  # noqa: E731
-    return {"input_ids": to(input_ids), "attention_mask": to(attn), "position_ids": to(position_ids),
-            "completion_ids": to(comp_ids), "old_logprobs": to(old), "mask": to(mask),
-            "advantages": to(advantages[list(idx)]), "C": C}
+    mb = {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids,
+          "completion_ids": input_ids[:, P:],  # (n, C) the completion columns, 0 after each one's end
+          "old_logprobs": old, "mask": mask, "advantages": advantages[list(idx)]}
+    return {k: t.to(device) for k, t in mb.items()}
 
 
 def completion_logprobs(model, mb, temperature=1.0):
     """Current log-probs of the completion tokens; logits only for completion positions."""
-    C = mb["C"]
+    C = mb["completion_ids"].shape[1]
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
                    logits_to_keep=C + 1, use_cache=False).logits  # (n, C+1, V)
     logits = logits[:, :-1, :]  # (n, C, V) position j predicts completion token j (a view, no copy)
@@ -202,7 +191,6 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     """Accumulate the full-batch GRPO gradient over micro-batches; returns the batch's loss and stats.
     Each micro-batch's loss is scaled (grpo_loss.microbatch_weight) so the sum equals the full batch's."""
     device = next(model.parameters()).device
-    total_seqs = len(seqs)
     total_tokens = sum(len(s["ids"]) for s in seqs)
     sums = {"loss": 0.0}
     for idx in microbatches:
@@ -216,7 +204,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
             logps, mb["old_logprobs"], mb["advantages"], mb["mask"], epsilon=epsilon, epsilon_high=epsilon_high,
             loss_type=loss_type, max_completion_length=max_completion_length,
             num_tokens=total_tokens if loss_type == "dapo" else None, ref_logprobs=ref, beta=beta)
-        weight = grpo_loss.microbatch_weight(loss_type, mb["mask"], total_seqs, total_tokens)  # dapo: 1
+        weight = grpo_loss.microbatch_weight(loss_type, mb["mask"], len(seqs), total_tokens)  # dapo: 1
         (loss * weight).backward()
         sums["loss"] += loss.item() * weight
         share = float(mb["mask"].sum()) / max(total_tokens, 1)  # token-weighted mean of the stats
@@ -229,11 +217,10 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 
 def guard_check(history, max_staleness, starved=False, window=GUARD_WINDOW):
     """The silent failure of async RL: replicas that never pick up new adapters. history: one dict
-    per step with version, newest_policy, ratio_mean, clip_low_frac, clip_high_frac, staleness_mean.
-    `starved`: the trainer has been waiting for usable groups. A newest policy_version that stood
-    still for a few steps is normal at start-up or with slow replicas; it is a failure only when
-    the trainer then starves (the proxy drops every group as too stale). Returns the reasons to
-    warn (empty list = all well)."""
+    per step (version, newest_policy, ratio_mean, clip_low_frac, clip_high_frac, staleness_mean).
+    A newest policy_version standing still is normal at start-up or with slow replicas; it is a
+    failure only when the trainer then starves (`starved`: the proxy drops every group as too
+    stale). Returns the reasons to warn, [] when all is well."""
     reasons = []
     if starved and len(history) >= window:
         last = history[-window:]
@@ -263,13 +250,11 @@ def guard_message(reasons, bucket_url):
 
 # ----------------------------------------------------------------------------- data
 
-def gather_groups(client, n, wait_timeout, bucket_url, log=print, version=None, max_staleness=None,
-                  on_starved=None):
+def gather_groups(client, n, version, max_staleness, wait_timeout, bucket_url, on_starved=None):
     """Long-poll the proxy until n usable groups (rewards not all equal) are in hand, or 4n skipped
     ones and no usable one (a solved task). Returns (usable, skipped): skipped ones have no signal.
     Groups more than max_staleness behind `version` are dropped: only a proxy restarted since the
-    last POST /version hands them out (the client then sends the version again).
-    on_starved() is called once if the wait exceeds starve_s (the guard's check)."""
+    last POST /version hands them out. on_starved() is called once when the wait passes starve_s."""
     groups, skipped = [], []
     start = last_log = time.time()
     starve_s = min(30.0, wait_timeout / 2) if wait_timeout else 30.0
@@ -281,21 +266,19 @@ def gather_groups(client, n, wait_timeout, bucket_url, log=print, version=None, 
                                f"--bucket {bucket_url}, and their logs; raise --wait-timeout for slow starts")
         if time.time() - last_log > 60:
             r = [c["reward"] for g in skipped for c in g["completions"]]
-            log(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {len(skipped)} skipped with equal "
-                f"rewards (their mean {sum(r) / max(len(r), 1):.3f}: 1.0 means the task is solved for this policy)")
+            print(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {len(skipped)} skipped with equal "
+                  f"rewards (their mean {sum(r) / max(len(r), 1):.3f}: 1.0 means the task is solved for this policy)")
             last_log = time.time()
         if on_starved and waited >= starve_s:
             on_starved()
             on_starved = None
         poll = max(0.5, min(30.0, (wait_timeout or 1e9) - waited, starve_s - waited if on_starved else 30.0))
         batch = client.get_batch(n - len(groups), timeout=poll)["groups"]
-        if version is not None:
-            fresh = [g for g in batch if version - g["policy_version"] <= max_staleness]
-            if len(fresh) < len(batch):
-                log(f"dropped {len(batch) - len(fresh)} groups more than --max-staleness {max_staleness} "
-                    f"behind v{version} (the proxy restarted and did not know the trainer's version yet)")
-            batch = fresh
-        for g in batch:
+        fresh = [g for g in batch if version - g["policy_version"] <= max_staleness]
+        if len(fresh) < len(batch):
+            print(f"dropped {len(batch) - len(fresh)} groups more than --max-staleness {max_staleness} "
+                  f"behind v{version} (the proxy restarted and did not know the trainer's version yet)")
+        for g in fresh:
             rewards = [c["reward"] for c in g["completions"]]
             (skipped if max(rewards) == min(rewards) else groups).append(g)
     return groups, skipped
@@ -359,17 +342,12 @@ def make_reporter(kind, args):
 # ----------------------------------------------------------------------------- main
 
 def train(args):
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
     tmp = tempfile.TemporaryDirectory()
     state_dir = sync.load_trainer_state(bucket, tmp.name)
     state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=False) if state_dir else None
-    if state:
-        print(f"resumed from step {state['step']}, version {state['version']} (state in {bucket.url}/trainer)",
-              flush=True)
-    else:
-        print(f"starting fresh: no trainer state in {bucket.url}", flush=True)
+    print(f"resumed from step {state['step']}, version {state['version']} (state in {bucket.url}/trainer)"
+          if state else f"starting fresh: no trainer state in {bucket.url}")
     client = ProxyClient(args.proxy, token=os.environ.get("PROXY_TOKEN"))
     proxy_version = client.stats()["trainer_version"]  # a wrong URL or token fails here, before any work
     latest = sync.latest_version(bucket)
@@ -383,6 +361,7 @@ def train(args):
     reporter = make_reporter(args.report_to, args)
     random.seed(args.seed)
     model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed)
+    model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
     params = lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
     keep = args.max_staleness + 2
@@ -402,7 +381,7 @@ def train(args):
 
     def warn(reasons):
         if reasons:
-            print(guard_message(reasons, bucket.url), file=sys.stderr, flush=True)
+            print(guard_message(reasons, bucket.url), file=sys.stderr)
             guard["warned_step"] = step
 
     def snapshot(version, published_step):
@@ -411,15 +390,15 @@ def train(args):
 
     if must_publish:  # v0 (the untrained LoRA), or the restored weights under a new number
         publish(model, bucket, version, keep, args.model, step)
-        print(f"published v{version} at step {step}", flush=True)
+        print(f"published v{version} at step {step}")
         save_state(model, optimizer, bucket, snapshot(version, step))
     client.set_version(version)
     published_step, updated_since_publish = step, False
 
     while step < args.max_steps:
         t0 = time.time()
-        groups, skipped = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
-                                        version=version, max_staleness=args.max_staleness,
+        groups, skipped = gather_groups(client, args.groups_per_step, version, args.max_staleness,
+                                        args.wait_timeout, bucket.url,
                                         on_starved=lambda: warn(guard_check(guard["history"], args.max_staleness,
                                                                             starved=True)))
         groups_consumed += len(groups) + len(skipped)
@@ -427,16 +406,15 @@ def train(args):
             check_group(g, args.num_generations)
         t1 = time.time()
         seqs = flatten_groups(groups, args.num_generations, args.max_completion_length)
-        rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
-        advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards) if seqs else None  # (B,)
-        model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
-        optimizer.zero_grad(set_to_none=True)
         mbs = make_microbatches(seqs, args.micro_batch_tokens)
-        stats, grad_norm = {"loss": 0.0, "ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0}, 0.0
+        stats, grad_norm = {}, 0.0
         if seqs:  # else every group had equal rewards: no learning signal, no optimizer step
+            rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
+            advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (B,)
+            optimizer.zero_grad(set_to_none=True)
             stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
                                               args.epsilon_high, args.beta, args.max_completion_length,
-                                              args.temperature)
+                                              args.temperature)  # loss, ratio_mean, clip_*_frac, [kl]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
             optimizer.step()
             updated_since_publish = True
@@ -450,14 +428,12 @@ def train(args):
                "reward_std": sampled.std().item(), "groups_used": len(groups), "groups_skipped": len(skipped),
                "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                "policy_versions": sorted({g["policy_version"] for g in groups or skipped}), "tokens": tokens,
-               "truncated": sum(s["truncated"] for s in seqs), "loss": stats["loss"],
-               "ratio_mean": stats["ratio_mean"], "clip_low_frac": stats["clip_low_frac"],
-               "clip_high_frac": stats["clip_high_frac"], "grad_norm": grad_norm,
+               "truncated": sum(s["truncated"] for s in seqs), "grad_norm": grad_norm,
+               "loss": 0.0, "ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0,  # a step with no update
+               **({"kl": 0.0} if args.beta > 0 else {}), **stats,
                "learning_rate": optimizer.param_groups[0]["lr"], "micro_batches": len(mbs),
                "wait_s": round(t1 - t0, 3), "compute_s": round(t2 - t1, 3),
                "tokens_per_s": round(tokens / max(t2 - t1, 1e-9), 1), "time": time.time()}
-        if args.beta > 0:
-            rec["kl"] = stats.get("kl", 0.0)
         sync.append_metrics(bucket, rec)
         if reporter:  # the same numbers (lists such as policy_versions left out)
             reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
@@ -466,7 +442,7 @@ def train(args):
               f"loss {rec['loss']:.4f} ratio {rec['ratio_mean'] or 0:.4f} clip {rec['clip_low_frac']:.3f}/"
               f"{rec['clip_high_frac']:.3f}" + (f" kl {rec['kl']:.4f}" if args.beta > 0 else "") +
               f" | gnorm {grad_norm:.3f} | wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s "
-              f"{rec['tokens_per_s']:.0f} tok/s", flush=True)
+              f"{rec['tokens_per_s']:.0f} tok/s")
 
         guard["history"] = (guard["history"] + [dict(rec, newest_policy=max(rec["policy_versions"]))])[-GUARD_WINDOW:]
         if step - guard["warned_step"] >= 10:  # loud, but not on every line
@@ -478,13 +454,13 @@ def train(args):
             publish(model, bucket, version, keep, args.model, step)
             client.set_version(version)
             published_step = step
-            print(f"published v{version} at step {step}", flush=True)
+            print(f"published v{version} at step {step}")
         if step % args.save_every == 0 or step == args.max_steps:
             save_state(model, optimizer, bucket, snapshot(version, published_step))
-            print(f"saved state at step {step} (version {version})", flush=True)
+            print(f"saved state at step {step} (version {version})")
     if reporter:
         reporter.finish()
-    print(f"done: {step} steps, last version v{version}, {groups_consumed} groups consumed", flush=True)
+    print(f"done: {step} steps, last version v{version}, {groups_consumed} groups consumed")
 
 
 def main(argv=None):
@@ -492,6 +468,7 @@ def main(argv=None):
     for flag in ("num_generations", "groups_per_step", "sync_every", "save_every", "micro_batch_tokens"):
         if getattr(args, flag) < 1:
             sys.exit(f"trainer.py: error: --{flag.replace('_', '-')} must be >= 1")
+    sys.stdout.reconfigure(line_buffering=True)  # each log line reaches a piped log (or a watcher) at once
     try:
         train(args)
     except (ProxyError, sync.BucketError, TrainerError) as e:
