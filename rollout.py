@@ -10,7 +10,7 @@ A replica's life: wait for adapter v0 in the bucket, then forever: a cheap look 
 pull + verify + hot-load a newer adapter if there is one (no engine restart), generate
 --num-generations completions for each of --prompts-per-batch prompts, score them, POST them to the
 proxy. It waits for a newer adapter (checking every --poll-interval) only when the groups it would
-make could no longer be used (Replica.hold_back): the trainer is more than --max-staleness versions
+make could no longer be used (Replica.plan): the trainer is more than --max-staleness versions
 ahead, or the proxy already holds enough groups to feed the trainer until then. --max-staleness 0
 is synchronous GRPO: one batch per adapter version.
 
@@ -361,24 +361,28 @@ class Replica:
             self.log(f"adapter v{latest} loaded (pull {pull_s:.3f}s, load {load_s:.3f}s)")
             self.version, self.reload_s, self.made = latest, self.reload_s + pull_s + load_s, 0
 
-    def hold_back(self):
-        """Why a batch made now would be wasted, or None to go ahead. Groups of version v are usable
-        while the trainer is at most s = --max-staleness versions past v, and the proxy hands them out
-        oldest first, about --prompts-per-batch per trainer step. So the replica waits for a newer adapter
-        when (1) the trainer (its version learned from the POST replies) is already past v + s, (2) the
-        groups buffered in the proxy will keep the trainer busy until past v + s, or (3) it has made
-        s + 1 batches with v, enough for the trainer up to v + s, and the trainer is not blocked waiting
-        for groups (as it is after skipping groups with equal rewards). With s = 0 this is synchronous
-        GRPO: one batch per adapter version, generated while the trainer waits for it."""
-        s, v, t = self.args.max_staleness, self.version, self.trainer_version
+    def plan(self):
+        """(prompts to generate now, why not more). Groups of version v are usable while the trainer is
+        at most s = --max-staleness versions past v; the proxy hands them out oldest first, about
+        --prompts-per-batch (n) per trainer step. So the replica makes (1) nothing when the trainer (its
+        version t learned from the POST replies) is already past v + s; (2) at most the groups the
+        trainer can still take up to v + s after those already buffered in the proxy (and after its step
+        in progress, when it is not blocked on GET /batch); (3) once it made s + 1 batches with v, enough
+        for the trainer up to v + s, only the groups a trainer blocked on GET /batch still lacks (it
+        skipped groups with equal rewards). With s = 0 this is synchronous GRPO: one batch per adapter
+        version, made while the trainer waits for it."""
+        s, v, t, n = self.args.max_staleness, self.version, self.trainer_version, self.args.prompts_per_batch
         if v is None or v < t - s:
-            return f"v{v} is too stale for trainer v{t} (--max-staleness {s})"
+            return 0, f"v{v} is too stale for trainer v{t} (--max-staleness {s})"
         stats = self.client.stats()  # one small GET: how full is the buffer, is the trainer blocked on it?
-        if t + stats["buffered"] // self.args.prompts_per_batch > v + s:
-            return f"the proxy holds {stats['buffered']} groups, enough for the trainer past v{v + s}"
-        if self.made > s and not stats.get("waiting"):
-            return f"{self.made} batches of v{v} are enough for the trainer up to v{v + s} (--max-staleness {s})"
-        return None
+        busy = stats["buffered"] > 0 and not stats.get("waiting")  # the buffered groups wait for its step
+        room = (v + s - t - busy + 1) * n - stats["buffered"]  # groups taken at versions <= v + s after them
+        if room <= 0:
+            return 0, f"the proxy holds {stats['buffered']} groups, enough for the trainer up to v{v + s}"
+        if self.made > s:
+            return min(n, room, stats.get("waiting", 0)), (f"{self.made} batches of v{v} are enough for the "
+                                                           f"trainer up to v{v + s} (--max-staleness {s})")
+        return min(n, room), None
 
     def batch(self):
         """Generate, score and push one batch. Returns its stats, or None while too stale to be useful."""
@@ -389,15 +393,15 @@ class Replica:
             if self.version is None:
                 raise
             self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
-        why = self.hold_back()
-        if why:  # the proxy would drop these groups: wait for a newer adapter instead
+        n, why = self.plan()
+        if n == 0:  # the proxy would drop these groups: wait for a newer adapter instead
             if self.waiting_since is None:  # one line per wait
                 self.log(f"waiting for a newer adapter: {why}")
                 self.waiting_since = time.time()
             return None
         t0 = time.time()
         waited, self.waiting_since = t0 - (self.waiting_since or t0), None
-        idx = [next(self.order) for _ in range(args.prompts_per_batch)]
+        idx = [next(self.order) for _ in range(n)]
         for i in idx:
             if i not in self.prompts:
                 self.prompts[i] = chat_prompt(self.engine.tokenizer, self.items[i]["question"])

@@ -170,7 +170,7 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=()):
             "load": (load_before, open("/proc/loadavg").read().split()[0])}
 
 
-def summarize(run, warmup, steps, groups, num_generations=8):
+def summarize(run, warmup, steps, num_generations=8):
     """The measured window: steps warmup+1 .. warmup+steps."""
     m = {r["step"]: r for r in run["metrics"]}
     lo, hi = warmup, warmup + steps
@@ -180,9 +180,9 @@ def summarize(run, warmup, steps, groups, num_generations=8):
     wall = t1 - t0
     batches = [b for b in run["batches"] if t0 < b["t"] <= t1]
     gen = sum(b["gen_s"] for b in batches)
-    wasted = sum(b["gen_s"] * b["stale"] / groups for b in batches)
+    wasted = sum(b["gen_s"] * b["stale"] / max(1, b["accepted"]) for b in batches)
     consumed = [r["groups_used"] + r["groups_skipped"] for r in win]
-    gen_per_group = statistics.mean(b["gen_s"] for b in batches) / groups
+    gen_per_group = gen / max(1, sum(b["accepted"] for b in batches))  # a batch can be a top-up of a few groups
     s = run["stats"]
     return {"S": run["staleness"], "wall": wall, "step_s": wall / steps,
             "trainer_idle": sum(r["wait_s"] for r in win) / wall,
@@ -245,7 +245,7 @@ def main():
     for s in opts.staleness:
         run_dir = os.path.join(opts.out, f"S{s}")
         run = run_system(opts, s, os.path.join(run_dir, "bucket"), run_dir)
-        rows.append(summarize(run, opts.warmup, opts.steps, opts.groups, opts.num_generations))
+        rows.append(summarize(run, opts.warmup, opts.steps, opts.num_generations))
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(rows[-1], f, indent=1)
         print(f"S={s}: {rows[-1]['wall']:.1f}s for {opts.steps} steps (logs in {run_dir})", flush=True)

@@ -19,6 +19,11 @@ functions: make_microbatches, compute_loss_and_backward (loss dapo), clip_grad_n
   proc peak   the worker's ru_maxrss (model loading included)
   logits/mb   float32 logits of the largest micro-batch, n x (C + 1) x V x 4 bytes; "whole batch" is
               what one tensor of logits for all B sequences would take
+  peak, mmap  the same step with MALLOC_MMAP_THRESHOLD_=131072: by default glibc raises its mmap
+              threshold as large blocks are freed and then keeps freed memory in its heap, where it
+              fragments (the RSS creeps up with the number of micro-batches although nothing is
+              held); with a fixed threshold a freed tensor goes back to the OS, so the peak is what
+              the step really holds at once (and the step is slower: more page faults)
 """
 
 import argparse
@@ -36,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 MB = 2**20
+MMAP_THRESHOLD = 128 * 1024  # "peak, mmap": glibc serves every block >= 128 KiB by mmap and unmaps it on free
 
 
 def rss_kb(field):
@@ -92,10 +98,10 @@ def worker(a):
                       "params": sum(p.numel() for p in model.parameters()), "lora": sum(p.numel() for p in params)}))
 
 
-def measure(model, seqs, prompt, completion, mbt, repeats):
+def measure(model, seqs, prompt, completion, mbt, repeats, **env):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--seqs", str(seqs), "--prompt",
            str(prompt), "--completion", str(completion), "--micro-batch-tokens", str(mbt), "--repeats", str(repeats)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"bench: worker failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
@@ -107,7 +113,8 @@ def main():
     p.add_argument("--smollm2", default=os.path.join(ROOT, "runs/models/smollm2-135m-instruct"),
                    help="SmolLM2-135M-Instruct folder ('' to leave it out)")
     p.add_argument("--only", choices=["throughput", "memory"], help="one of the two parts")
-    p.add_argument("--repeats", type=int, default=2, help="timed steps per measurement (after one warm-up)")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per throughput measurement (after a warm-up)")
+    p.add_argument("--memory-repeats", type=int, default=1, help="timed steps per memory measurement")
     p.add_argument("--out", default="/tmp/bench_trainer", help="where the tiny model is built")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--model", "--seqs", "--prompt", "--completion", "--micro-batch-tokens"):
@@ -121,8 +128,8 @@ def main():
     smol = a.smollm2 if a.smollm2 and os.path.isdir(a.smollm2) else None
     if a.smollm2 and not smol:
         print(f"note: no {a.smollm2}; build it with: python scripts/offline_smollm2.py {a.smollm2}")
-    print(f"{os.cpu_count()} CPUs, 1 thread per worker, fp32, LoRA r 8 all-linear, loss dapo, "
-          f"{a.repeats} timed steps after 1 warm-up", flush=True)
+    print(f"{os.cpu_count()} CPUs, 1 thread per worker, fp32, LoRA r 8 all-linear, loss dapo; 1 warm-up step, then "
+          f"{a.repeats} (throughput) / {a.memory_repeats} (memory) timed", flush=True)
 
     if a.only != "memory":
         print("\ntrainer step throughput (B sequences of P prompt + C completion tokens, --micro-batch-tokens 8192)")
@@ -141,16 +148,18 @@ def main():
         model, name = (smol, "SmolLM2-135M") if smol else (tiny, "tiny")
         P, C = 16, 32
         header = (f"{'B':>5}{'mb tokens':>11}{'mbs':>5}{'logits/mb':>11}{'whole batch':>13}{'step peak':>11}"
-                  f"{'base':>9}{'step s':>8}")
+                  f"{'step s':>8}{'peak, mmap':>12}{'step s':>8}{'base':>9}")
         for title, cases in [("batch size B grows, --micro-batch-tokens fixed at 384 (8 sequences)",
                               [(8, 384), (16, 384), (32, 384), (64, 384)]),
                              ("B fixed at 32, --micro-batch-tokens grows (the control: memory must follow it)",
                               [(32, 192), (32, 384), (32, 768), (32, 1536)])]:
             print(f"\nlog-prob memory, {name} (vocab V), P={P}, C={C}: {title}\n{header}")
             for B, mbt in cases:
-                r = measure(model, B, P, C, mbt, a.repeats)
+                r = measure(model, B, P, C, mbt, a.memory_repeats)
+                m = measure(model, B, P, C, mbt, a.memory_repeats, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
                 print(f"{B:>5}{mbt:>11}{r['micro_batches']:>5}{r['logits_mb']:>8.1f} MB{r['whole_mb']:>10.1f} MB"
-                      f"{r['step_peak_mb']:>8.0f} MB{r['base_mb']:>6.0f} MB{r['step_s']:>8.2f}", flush=True)
+                      f"{r['step_peak_mb']:>8.0f} MB{r['step_s']:>8.2f}{m['step_peak_mb']:>9.0f} MB{m['step_s']:>8.2f}"
+                      f"{r['base_mb']:>6.0f} MB", flush=True)
 
 if __name__ == "__main__":
     main()
