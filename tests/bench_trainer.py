@@ -40,7 +40,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from bench_async import cpu_seconds  # noqa: E402  (CPU seconds of all CPUs busy, of this process + children)
+
 MB = 2**20
+OTHER_CPU = []  # per measurement: CPU cores that other processes took (load that disturbs the timings)
 MMAP_THRESHOLD = 128 * 1024  # "peak, mmap": glibc serves every block >= 128 KiB by mmap and unmaps it on free
 
 
@@ -102,9 +105,12 @@ def measure(model, seqs, prompt, completion, mbt, repeats, **env):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--seqs", str(seqs), "--prompt",
            str(prompt), "--completion", str(completion), "--micro-batch-tokens", str(mbt), "--repeats", str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
+    (busy0, own0), t0 = cpu_seconds(), time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"bench: worker failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    busy, own = (b - a for a, b in zip((busy0, own0), cpu_seconds()))
+    OTHER_CPU.append(max(0.0, busy - own) / (time.time() - t0))  # cores other processes took meanwhile
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -160,6 +166,8 @@ def main():
                 print(f"{B:>5}{mbt:>11}{r['micro_batches']:>5}{r['logits_mb']:>8.1f} MB{r['whole_mb']:>10.1f} MB"
                       f"{r['step_peak_mb']:>8.0f} MB{r['step_s']:>8.2f}{m['step_peak_mb']:>9.0f} MB{m['step_s']:>8.2f}"
                       f"{r['base_mb']:>6.0f} MB", flush=True)
+    print(f"\nother processes took up to {max(OTHER_CPU):.2f} CPU cores during a measurement (mean "
+          f"{statistics.mean(OTHER_CPU):.2f})")
 
 if __name__ == "__main__":
     main()
