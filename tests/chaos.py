@@ -37,29 +37,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
+from conftest import free_port, wait_port  # noqa: E402  (the tests' helpers)
 from proxy import ProxyClient, ProxyError  # noqa: E402
 
 TOKEN = "chaos-token"
 PUBLISHED = re.compile(r"^published v(\d+) at step (\d+)$", re.M)
 STEP = re.compile(r"^step (\d+) v(\d+) ", re.M)
 RESUMED = re.compile(r"^(resumed from step (\d+), version (\d+)|starting fresh)", re.M)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
 class Role:
