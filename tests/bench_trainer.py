@@ -17,6 +17,7 @@ functions: make_microbatches, compute_loss_and_backward (loss dapo), clip_grad_n
               memory is handed back (malloc_trim) and the high-water mark reset (/proc/self/clear_refs
               = 5), then VmHWM is read from /proc/self/status after the steps
   proc peak   the worker's ru_maxrss (model loading included)
+  other CPU   cores that other processes took during the measurement (load that slows the timings)
   logits/mb   float32 logits of the largest micro-batch, n x (C + 1) x V x 4 bytes; "whole batch" is
               what one tensor of logits for all B sequences would take
   peak, mmap  the same step with MALLOC_MMAP_THRESHOLD_=131072: by default glibc raises its mmap
@@ -140,7 +141,7 @@ def main():
     if a.only != "memory":
         print("\ntrainer step throughput (B sequences of P prompt + C completion tokens, --micro-batch-tokens 8192)")
         print(f"{'model':<10}{'params':>8}{'LoRA':>8}{'B x (P + C)':>19}{'mbs':>5}{'step s':>8}{'tok/s':>8}"
-              f"{'all tok/s':>10}{'step peak':>11}{'proc peak':>11}")
+              f"{'all tok/s':>10}{'step peak':>11}{'proc peak':>11}{'other CPU':>10}")
         cases = [("tiny", tiny, 64, 32, 64), ("tiny", tiny, 64, 32, 128)]
         if smol:
             cases += [("SmolLM2", smol, 32, 40, 32), ("SmolLM2", smol, 32, 40, 64)]
@@ -148,13 +149,13 @@ def main():
             r = measure(path, B, P, C, 8192, a.repeats)
             print(f"{name:<10}{r['params'] / 1e6:>7.1f}M{r['lora'] / 1e6:>7.2f}M{f'{B} x ({P} + {C})':>19}"
                   f"{r['micro_batches']:>5}{r['step_s']:>8.2f}{r['tok_s']:>8.0f}{r['all_tok_s']:>10.0f}"
-                  f"{r['step_peak_mb']:>8.0f} MB{r['proc_peak_mb']:>8.0f} MB", flush=True)
+                  f"{r['step_peak_mb']:>8.0f} MB{r['proc_peak_mb']:>8.0f} MB{OTHER_CPU[-1]:>10.2f}", flush=True)
 
     if a.only != "throughput":
         model, name = (smol, "SmolLM2-135M") if smol else (tiny, "tiny")
         P, C = 16, 32
         header = (f"{'B':>5}{'mb tokens':>11}{'mbs':>5}{'logits/mb':>11}{'whole batch':>13}{'step peak':>11}"
-                  f"{'step s':>8}{'peak, mmap':>12}{'step s':>8}{'base':>9}")
+                  f"{'step s':>8}{'peak, mmap':>12}{'step s':>8}{'base':>9}{'other CPU':>10}")
         for title, cases in [("batch size B grows, --micro-batch-tokens fixed at 384 (8 sequences)",
                               [(8, 384), (16, 384), (32, 384), (64, 384)]),
                              ("B fixed at 32, --micro-batch-tokens grows (the control: memory must follow it)",
@@ -165,9 +166,10 @@ def main():
                 m = measure(model, B, P, C, mbt, a.memory_repeats, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
                 print(f"{B:>5}{mbt:>11}{r['micro_batches']:>5}{r['logits_mb']:>8.1f} MB{r['whole_mb']:>10.1f} MB"
                       f"{r['step_peak_mb']:>8.0f} MB{r['step_s']:>8.2f}{m['step_peak_mb']:>9.0f} MB{m['step_s']:>8.2f}"
-                      f"{r['base_mb']:>6.0f} MB", flush=True)
+                      f"{r['base_mb']:>6.0f} MB{max(OTHER_CPU[-2:]):>10.2f}", flush=True)
     print(f"\nother processes took up to {max(OTHER_CPU):.2f} CPU cores during a measurement (mean "
           f"{statistics.mean(OTHER_CPU):.2f})")
+
 
 if __name__ == "__main__":
     main()
