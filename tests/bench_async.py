@@ -9,7 +9,7 @@ Each run starts `python proxy.py`, one `rollout.py --engine hf` replica and `tra
 subprocesses (one thread each: on a 2-core machine, 1 replica + 1 trainer is the fair setup) on a
 directory bucket, lets the trainer take --warmup + --steps steps, and measures the last --steps:
 
-  wall          seconds for those steps (metrics.jsonl "time" of the last one minus the warm-up's last)
+  wall          seconds for those steps (the step records' "time" of the last one minus the warm-up's last)
   trainer idle  the trainer's wait_s (blocked on GET /batch) summed over the steps / wall
   replica idle  1 - seconds generating / wall (generation seconds from the replica's batch lines;
                 "wasted" is generation whose groups arrived stale)

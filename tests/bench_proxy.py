@@ -2,8 +2,9 @@
 
 POST /rollouts with groups of 8 completions x 256 tokens at 1, 8 and 32 concurrent clients
 (keep-alive connections), while a consumer drains the buffer with GET /batch?groups=64 as the
-trainer does. Both servers run as their own processes, share proxy.py's validation and buffer
-code (so the ratio measures the HTTP layer alone), and are measured in turns, level by level.
+trainer does (after announcing its version). Both servers run as their own processes, share
+proxy.py's validation and buffer code (so the ratio measures the HTTP layer alone), and are
+measured in turns, level by level. The groups fit proxy.py's default contract (G 8, 256 tokens).
 Not collected by pytest (no test_ prefix); FastAPI and uvicorn are benchmark-only dependencies.
 
     .venv/bin/python tests/bench_proxy.py                    # ~1 minute
@@ -27,25 +28,27 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from conftest import free_port, wait_port  # noqa: E402
 
 
-def fastapi_app(max_staleness=4, max_groups=4096):
-    """The proxy's POST /rollouts and GET /batch on FastAPI, with proxy.py's own validation and buffer."""
+def fastapi_app(max_groups=4096):
+    """The proxy's POST /rollouts, GET /batch and POST /version on FastAPI, with proxy.py's own validation
+    and buffer (default contract)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
     import proxy
 
-    buffer, app = proxy.RolloutBuffer(max_staleness, max_groups), FastAPI()
+    buffer, app = proxy.RolloutBuffer(max_groups=max_groups), FastAPI()
 
     @app.post("/rollouts")
     async def rollouts(request: Request):
-        try:
-            groups = proxy.validate_rollouts(proxy.parse_json(await request.body()), max_groups)
-        except proxy.ApiError as e:  # 400, naming the field
-            return JSONResponse({"error": str(e)}, status_code=400)
-        result = buffer.add(groups)
-        if result is None:
-            return JSONResponse({"error": "buffer full"}, status_code=429, headers={"Retry-After": "1"})
-        return JSONResponse(result)
+        try:  # 400 naming the field, 409, 413, 429 when full
+            return JSONResponse(buffer.add(proxy.validate_rollouts(proxy.parse_json(await request.body()), max_groups,
+                                                                   buffer.contract)))
+        except proxy.ApiError as e:
+            return JSONResponse({"error": str(e)}, status_code=e.code, headers=e.headers)
+
+    @app.post("/version")
+    async def version(request: Request):
+        return JSONResponse(buffer.set_version(json.loads(await request.body())["version"]))
 
     @app.get("/batch")
     def batch(groups: int, timeout: float = 0.0):  # a plain def: FastAPI runs it in its thread pool, so it may block
@@ -59,10 +62,11 @@ def fastapi_app(max_staleness=4, max_groups=4096):
     return app
 
 
-def group_template(n=8, tokens=256, seed=0):
+def group_template(n=8, tokens=256, seed=0):  # proxy.py's default contract
     """A POST body of one group, with b"__GID__" where the group_id goes."""
     rnd = random.Random(seed)
     group = {"group_id": "__GID__", "policy_version": 0, "worker": "bench", "prompt": "x" * 200,
+             "temperature": 1.0, "max_new_tokens": tokens,
              "prompt_ids": [rnd.randrange(32000) for _ in range(64)],
              "completions": [{"ids": [rnd.randrange(32000) for _ in range(tokens)],
                               "logprobs": [-rnd.expovariate(2.0) for _ in range(tokens)],  # full float repr
@@ -72,8 +76,10 @@ def group_template(n=8, tokens=256, seed=0):
 
 
 def drain(port, stop):
-    """The trainer: long-poll GET /batch and throw the groups away (read, not parsed)."""
+    """The trainer: announce version 0, long-poll GET /batch and throw the groups away (read, not parsed)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/version", b'{"version": 0}', {"Content-Type": "application/json"})
+    conn.getresponse().read()
     while not stop.is_set():
         conn.request("GET", "/batch?groups=64&timeout=0.5")
         conn.getresponse().read()
@@ -169,7 +175,7 @@ def main():
                   f"| {b[1]:.1f} | {b[2]:.1f} | {a[0] / b[0]:.2f} | {(a[0] + a[3]) / (b[0] + b[3]):.2f} |")
         for name, port in ports.items():  # the books balance on both after the load
             s = stats(port)
-            ok = s["accepted"] == s["delivered"] + s["dropped_stale"] + s["buffered"]
+            ok = s["accepted"] == s["delivered"] + s["dropped_stale"] + s["dropped_zero_variance"] + s["buffered"]
             print(f"# {name}: accepted {s['accepted']}, delivered {s['delivered']}, buffered {s['buffered']}, "
                   f"refused_full {s['refused_full']}, identity {'holds' if ok else 'BROKEN'}")
     finally:

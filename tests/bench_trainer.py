@@ -1,24 +1,32 @@
-"""Benchmark: the trainer's step on CPU, tokens/s and peak memory, and the proof that the memory of
-the log-prob computation is bounded by one micro-batch, not by vocab x sequence x batch.
+"""Benchmark: the trainer's step on CPU, the shared-prompt forward against the plain one it replaced
+(time and peak memory), and the proof that the memory of the log-prob computation is bounded by
+one micro-batch, not by vocab x sequence x batch.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_trainer.py                 # tiny model + SmolLM2-135M: ~6 min
+    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_trainer.py                 # tiny model + SmolLM2-135M
     .venv/bin/python tests/bench_trainer.py --only throughput --smollm2 ''   # the tiny model only
 
 SmolLM2-135M-Instruct is read from --smollm2 (build it offline with
 `python scripts/offline_smollm2.py runs/models/smollm2-135m-instruct`). Every measurement runs in a
 fresh worker process (this file with --worker), so that its memory is its own. The worker builds
 the model as trainer.py does (trainer.build_model: LoRA r 8 on all linear layers, fp32 on CPU),
-makes B synthetic sequences (prompt P + completion C random token ids, rewards alternating within
-each group of 8), takes one warm-up step, then --repeats timed steps with trainer.py's own
-functions: make_microbatches, compute_loss_and_backward (loss dapo), clip_grad_norm_, AdamW.
+makes N groups of G synthetic completions (one random prompt of P token ids per group, random
+completions of C ids, rewards alternating within each group), takes one warm-up step, then
+--repeats timed steps (loss dapo, clip_grad_norm_, AdamW) with one of two paths:
 
-  tok/s       completion tokens per second of a step (trainer.py's metric), median over the repeats
+  new         trainer.py: make_microbatches (whole groups, each prompt counted once),
+              compute_loss_and_backward (each group's prompt forwarded once, its KV cache repeated
+              for the G completions)
+  old         the plain path it replaced: rows [prompt | completion] packed by rows, every prompt
+              forwarded G times (test_shared_prompt.plain_logprobs, the reference of the exactness test)
+
+  step s      seconds per step, median over the repeats; speed-up = old / new
+  cpu s       CPU seconds of the worker per step (median): less disturbed than step s by other load
+  tok/s       completion tokens per second of a step (trainer.py's metric)
   step peak   peak RSS during the timed steps minus RSS before them: after the warm-up step, freed
               memory is handed back (malloc_trim) and the high-water mark reset (/proc/self/clear_refs
               = 5), then VmHWM is read from /proc/self/status after the steps
-  proc peak   the worker's ru_maxrss (model loading included)
   other CPU   cores that other processes took during the measurement (load that slows the timings)
-  logits/mb   float32 logits of the largest micro-batch, n x (C + 1) x V x 4 bytes; "whole batch" is
+  logits/mb   float32 logits of the largest micro-batch, n x C x V x 4 bytes; "whole batch" is
               what one tensor of logits for all B sequences would take
   peak, mmap  the same step with MALLOC_MMAP_THRESHOLD_=131072: by default glibc raises its mmap
               threshold as large blocks are freed and then keeps freed memory in its heap, where it
@@ -53,6 +61,35 @@ def rss_kb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+def old_microbatches(seqs, max_tokens):
+    """The plain path's packing: rows, each costing its prompt + its completion, padding counted."""
+    def cost(idx):
+        return len(idx) * (max(len(seqs[i]["prompt_ids"]) for i in idx) + max(len(seqs[i]["ids"]) for i in idx))
+
+    batches = []
+    for i in sorted(range(len(seqs)), key=lambda i: -(len(seqs[i]["prompt_ids"]) + len(seqs[i]["ids"]))):
+        if batches and cost(batches[-1] + [i]) <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def old_loss_and_backward(model, seqs, advantages, microbatches):
+    """The plain path's step (loss dapo): each row [pad.. prompt | completion ..pad] forwarded whole."""
+    import grpo_loss
+    import trainer
+    from test_shared_prompt import plain_logprobs
+
+    total_tokens = sum(len(s["ids"]) for s in seqs)
+    for idx in microbatches:
+        mb = trainer.collate(seqs, idx, advantages, "cpu")  # old log-probs, mask, advantages: the same
+        logps = plain_logprobs(model, seqs, idx, 1.0)  # (n, C)
+        loss, _ = grpo_loss.policy_loss(logps, mb["old_logprobs"], mb["advantages"], mb["mask"],
+                                        num_tokens=total_tokens)
+        loss.backward()
+
+
 def worker(a):
     import torch
 
@@ -63,18 +100,25 @@ def worker(a):
     torch.manual_seed(0)
     model = trainer.build_model(a.model, lora_r=8, lora_alpha=16, seed=0)
     V = model.config.vocab_size
-    seqs = [{"prompt_ids": torch.randint(10, V, (a.prompt,)).tolist(), "logprobs": [-2.0] * a.completion,
-             "ids": torch.randint(10, V, (a.completion,)).tolist(), "reward": float(i % 2), "policy_version": 0,
-             "truncated": False} for i in range(a.seqs)]
-    advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), 8)  # (B,)
+    seqs = []
+    for k in range(a.groups):  # one prompt per group; rewards alternate within it
+        prompt = torch.randint(10, V, (a.prompt,)).tolist()
+        seqs += [{"prompt_ids": prompt, "ids": torch.randint(10, V, (a.completion,)).tolist(), "group": k,
+                  "logprobs": [-2.0] * a.completion, "reward": float(i % 2), "policy_version": 0, "truncated": False}
+                 for i in range(a.group_size)]
+    advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), a.group_size)  # (B,)
     params = trainer.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     model.eval()
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        mbs = trainer.make_microbatches(seqs, a.micro_batch_tokens)
-        trainer.compute_loss_and_backward(model, seqs, advantages, mbs)
+        if a.path == "new":
+            mbs = trainer.make_microbatches(seqs, a.micro_batch_tokens)
+            trainer.compute_loss_and_backward(model, seqs, advantages, mbs)
+        else:
+            mbs = old_microbatches(seqs, a.micro_batch_tokens)
+            old_loss_and_backward(model, seqs, advantages, mbs)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         return mbs
@@ -86,25 +130,26 @@ def worker(a):
     base = rss_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM (the peak RSS) to the current RSS
-    times = []
+    times, cpu = [], []
     for _ in range(a.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
-    n_max = max(len(mb) for mb in mbs)
-    print(json.dumps({"step_s": statistics.median(times), "tok_s": a.seqs * a.completion / statistics.median(times),
-                      "all_tok_s": a.seqs * (a.prompt + a.completion) / statistics.median(times),
+        cpu.append(time.process_time() - c0)
+    B, n_max = len(seqs), max(len(mb) for mb in mbs)
+    print(json.dumps({"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+                      "tok_s": B * a.completion / statistics.median(times),
                       "micro_batches": len(mbs), "base_mb": base / 1024,
                       "step_peak_mb": (rss_kb("VmHWM") - base) / 1024,
                       "proc_peak_mb": max(proc_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024,
-                      "logits_mb": n_max * (a.completion + 1) * V * 4 / MB,
-                      "whole_mb": a.seqs * (a.completion + 1) * V * 4 / MB, "vocab": V,
+                      "logits_mb": n_max * a.completion * V * 4 / MB, "whole_mb": B * a.completion * V * 4 / MB,
                       "params": sum(p.numel() for p in model.parameters()), "lora": sum(p.numel() for p in params)}))
 
 
-def measure(model, seqs, prompt, completion, mbt, repeats, **env):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--seqs", str(seqs), "--prompt",
-           str(prompt), "--completion", str(completion), "--micro-batch-tokens", str(mbt), "--repeats", str(repeats)]
+def measure(model, path, groups, prompt, completion, mbt, repeats, group_size=8, **env):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--path", path, "--groups",
+           str(groups), "--group-size", str(group_size), "--prompt", str(prompt), "--completion", str(completion),
+           "--micro-batch-tokens", str(mbt), "--repeats", str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
     (busy0, own0), t0 = cpu_seconds(), time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -119,12 +164,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smollm2", default=os.path.join(ROOT, "runs/models/smollm2-135m-instruct"),
                    help="SmolLM2-135M-Instruct folder ('' to leave it out)")
-    p.add_argument("--only", choices=["throughput", "memory"], help="one of the two parts")
+    p.add_argument("--only", choices=["throughput", "default", "memory"],
+                   help="one part; 'default': the throughput rows of the default task's shape only")
     p.add_argument("--repeats", type=int, default=2, help="timed steps per throughput measurement (after a warm-up)")
     p.add_argument("--memory-repeats", type=int, default=1, help="timed steps per memory measurement")
     p.add_argument("--out", default="/tmp/bench_trainer", help="where the tiny model is built")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--model", "--seqs", "--prompt", "--completion", "--micro-batch-tokens"):
+    p.add_argument("--path", choices=["old", "new"], help=argparse.SUPPRESS)
+    for flag in ("--model", "--groups", "--group-size", "--prompt", "--completion", "--micro-batch-tokens"):
         p.add_argument(flag, help=argparse.SUPPRESS, type=str if flag == "--model" else int)
     a = p.parse_args()
     if a.worker:
@@ -139,32 +186,37 @@ def main():
           f"{a.repeats} (throughput) / {a.memory_repeats} (memory) timed", flush=True)
 
     if a.only != "memory":
-        print("\ntrainer step throughput (B sequences of P prompt + C completion tokens, --micro-batch-tokens 8192)")
-        print(f"{'model':<10}{'params':>8}{'LoRA':>8}{'B x (P + C)':>19}{'mbs':>5}{'step s':>8}{'tok/s':>8}"
-              f"{'all tok/s':>10}{'step peak':>11}{'proc peak':>11}{'other CPU':>10}")
-        cases = [("tiny", tiny, 64, 32, 64), ("tiny", tiny, 64, 32, 128)]
-        if smol:
-            cases += [("SmolLM2", smol, 32, 40, 32), ("SmolLM2", smol, 32, 40, 64)]
-        for name, path, B, P, C in cases:
-            r = measure(path, B, P, C, 8192, a.repeats)
-            print(f"{name:<10}{r['params'] / 1e6:>7.1f}M{r['lora'] / 1e6:>7.2f}M{f'{B} x ({P} + {C})':>19}"
-                  f"{r['micro_batches']:>5}{r['step_s']:>8.2f}{r['tok_s']:>8.0f}{r['all_tok_s']:>10.0f}"
-                  f"{r['step_peak_mb']:>8.0f} MB{r['proc_peak_mb']:>8.0f} MB{OTHER_CPU[-1]:>10.2f}", flush=True)
+        print("\ntrainer step, old (plain) path vs new (shared-prompt) path: N groups x G completions of P prompt + "
+              "C completion tokens, --micro-batch-tokens 8192")
+        print(f"{'model':<10}{'params':>8}{'LoRA':>8}{'N x G x (P + C)':>19}{'mbs':>6}{'step s old':>11}{'new':>7}"
+              f"{'speed-up':>9}{'cpu s old':>10}{'new':>7}{'speed-up':>9}{'tok/s new':>10}{'step peak old':>14}"
+              f"{'new':>8}{'other CPU':>10}")
+        default = [(4, 38, 12)]  # the default run's shape: 4 prompts x 8 completions, ~38 + 12 tokens (arith)
+        shapes = default if a.only == "default" else default + [(8, 32, 64)]
+        cases = [("tiny", tiny, *s) for s in shapes] + [("SmolLM2", smol, *s) for s in shapes if smol]
+        for name, path, N, P, C in cases:
+            old = measure(path, "old", N, P, C, 8192, a.repeats)
+            new = measure(path, "new", N, P, C, 8192, a.repeats)
+            print(f"{name:<10}{new['params'] / 1e6:>7.1f}M{new['lora'] / 1e6:>7.2f}M{f'{N} x 8 x ({P} + {C})':>19}"
+                  f"{old['micro_batches']:>3}/{new['micro_batches']:<2}{old['step_s']:>11.2f}{new['step_s']:>7.2f}"
+                  f"{old['step_s'] / new['step_s']:>8.2f}x{old['cpu_s']:>10.2f}{new['cpu_s']:>7.2f}"
+                  f"{old['cpu_s'] / new['cpu_s']:>8.2f}x{new['tok_s']:>10.0f}{old['step_peak_mb']:>11.0f} MB"
+                  f"{new['step_peak_mb']:>5.0f} MB{max(OTHER_CPU[-2:]):>10.2f}", flush=True)
 
-    if a.only != "throughput":
+    if a.only not in ("throughput", "default"):
         model, name = (smol, "SmolLM2-135M") if smol else (tiny, "tiny")
-        P, C = 16, 32
+        P, C = 16, 32  # a group costs P + 8 C = 272 tokens of --micro-batch-tokens
         header = (f"{'B':>5}{'mb tokens':>11}{'mbs':>5}{'logits/mb':>11}{'whole batch':>13}{'step peak':>11}"
                   f"{'step s':>8}{'peak, mmap':>12}{'step s':>8}{'base':>9}{'other CPU':>10}")
-        for title, cases in [("batch size B grows, --micro-batch-tokens fixed at 384 (8 sequences)",
-                              [(8, 384), (16, 384), (32, 384), (64, 384)]),
+        for title, cases in [("batch size B grows, --micro-batch-tokens fixed at 384 (1 group of 8)",
+                              [(1, 384), (2, 384), (4, 384), (8, 384)]),
                              ("B fixed at 32, --micro-batch-tokens grows (the control: memory must follow it)",
-                              [(32, 192), (32, 384), (32, 768), (32, 1536)])]:
-            print(f"\nlog-prob memory, {name} (vocab V), P={P}, C={C}: {title}\n{header}")
-            for B, mbt in cases:
-                r = measure(model, B, P, C, mbt, a.memory_repeats)
-                m = measure(model, B, P, C, mbt, a.memory_repeats, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-                print(f"{B:>5}{mbt:>11}{r['micro_batches']:>5}{r['logits_mb']:>8.1f} MB{r['whole_mb']:>10.1f} MB"
+                              [(4, 272), (4, 544), (4, 1088), (4, 2176)])]:
+            print(f"\nlog-prob memory (new path), {name} (vocab V), P={P}, C={C}: {title}\n{header}")
+            for N, mbt in cases:
+                r = measure(model, "new", N, P, C, mbt, a.memory_repeats)
+                m = measure(model, "new", N, P, C, mbt, a.memory_repeats, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+                print(f"{N * 8:>5}{mbt:>11}{r['micro_batches']:>5}{r['logits_mb']:>8.1f} MB{r['whole_mb']:>10.1f} MB"
                       f"{r['step_peak_mb']:>8.0f} MB{r['step_s']:>8.2f}{m['step_peak_mb']:>9.0f} MB{m['step_s']:>8.2f}"
                       f"{r['base_mb']:>6.0f} MB{max(OTHER_CPU[-2:]):>10.2f}", flush=True)
     print(f"\nother processes took up to {max(OTHER_CPU):.2f} CPU cores during a measurement (mean "

@@ -83,3 +83,37 @@ def bucket_url(request, tmp_path):
         return str(tmp_path / "bucket")
     request.getfixturevalue("s3_server")
     return make_s3_bucket()
+
+
+# ---- jobs.sh: run it as macOS's bash 3.2 would, and clean up after a Hugging Face Jobs run ----
+
+def jobs_sh(*args, script=None):
+    """argv that runs jobs.sh (or `script`) under bash 3.2's `set -u` rule for arrays.
+
+    macOS's /bin/bash 3.2 aborts on "${a[@]}" when the array `a` is empty (bash >= 4.4 expands it
+    to nothing). Each such expansion is rewritten to "${a[@]?...}", which aborts the same way on an
+    empty array and expands the same way otherwise, so a path that would fail on a Mac fails here.
+    $0 stays the real jobs.sh, so the script finds its folder as usual."""
+    import re
+
+    path = script or os.path.join(ROOT, "jobs.sh")
+    with open(path) as f:
+        text = re.sub(r"\$\{(\w+)\[@\]\}", r"${\1[@]?bash 3.2 with set -u aborts here: \1 is empty}", f.read())
+    return ["bash", "-c", text, path, *args]
+
+
+@pytest.fixture
+def hf_run_name():
+    """A fresh NAME for a Hugging Face Jobs launch; removes runs/NAME and restores runs/.last-hf."""
+    import shutil
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    last = os.path.join(ROOT, "runs", ".last-hf")
+    saved = open(last).read() if os.path.exists(last) else None
+    yield name
+    shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+    if saved is not None:
+        with open(last, "w") as f:
+            f.write(saved)
+    elif os.path.exists(last):
+        os.remove(last)

@@ -51,8 +51,7 @@ from conftest import ROOT
 WAIT_TIMEOUT = 60  # the trainer's --wait-timeout in the shared system
 GROUPS_PER_STEP = 2
 SAVE_EVERY = 3
-TRAINER_ARGS = ["--groups-per-step", str(GROUPS_PER_STEP), "--learning-rate", "3e-5", "--lora-r", "8",
-                "--lora-alpha", "16", "--max-completion-length", "6", "--micro-batch-tokens", "256",
+TRAINER_ARGS = ["--learning-rate", "3e-5", "--lora-r", "8", "--lora-alpha", "16", "--micro-batch-tokens", "256",
                 "--save-every", str(SAVE_EVERY), "--max-steps", "100000", "--wait-timeout", str(WAIT_TIMEOUT),
                 "--bucket-retry", "60", "--seed", "0"]
 
@@ -117,7 +116,7 @@ def test_replica_killed_mid_batch_the_other_carries_on_and_it_rejoins_current(ru
     assert loaded >= latest, f"the restarted replica loaded v{loaded}, older than LATEST v{latest} at its start"
     b = r0.wait_for(r"\] batch 1 v(\d+) \(trainer v(\d+)\).* accepted (\d+) stale (\d+)", 120)
     version, trainer_version, accepted, stale = map(int, b.groups())
-    assert trainer_version - version <= s.max_staleness and (accepted, stale) == (2, 0), b.group(0)
+    assert trainer_version - version <= s.max_staleness and accepted >= 1 and stale == 0, b.group(0)
     next_step(s)
     waits = [m["wait_s"] for m in sync.read_metrics(s.bucket) if m["time"] >= t_kill]
     print(f"\nreplica-0 killed mid-batch at trainer step {last - 3}; restarted, loaded v{loaded} (LATEST was "
@@ -148,7 +147,7 @@ def test_proxy_killed_and_restarted_loses_only_its_buffer(running):
     for r in others:
         assert "cannot reach the proxy" in r.current() or "connection broke" in r.current(), r.name
 
-    # the new proxy learns the trainer's version (re-sent by the client, or at the next publish)
+    # the new proxy learns the trainer's version (announced again on its 409, or at the next publish)
     for _ in range(50):
         after, latest = s.stats(), sync.latest_version(s.bucket)
         if after["trainer_version"] == latest:
@@ -168,33 +167,33 @@ def test_proxy_killed_and_restarted_loses_only_its_buffer(running):
         s.trainer.signal(signal.SIGCONT)
     check_accounting(after)
     assert s.trainer.starts == 1, "this check needs one trainer run (metrics of redone steps would count twice)"
-    consumed = sum(m["groups_used"] + m["groups_skipped"] for m in recs)
-    dropped = sum(int(n) for n in re.findall(r"^dropped (\d+) groups more than", text, re.M))
+    consumed = sum(m["groups"] for m in recs)
     delivered = before["delivered"] + after["delivered"]
-    in_hand = delivered - consumed - dropped
+    in_hand = delivered - consumed
     print(f"\nproxy killed with {before['buffered']} groups buffered (lost), {before['accepted']} accepted before; "
           f"new proxy: {after['accepted']} accepted = {after['delivered']} delivered + {after['dropped_stale']} "
-          f"stale + {after['buffered']} buffered; trainer consumed {consumed}, {dropped} dropped as too stale, "
-          f"{in_hand} in its unfinished step")
+          f"stale + {after['buffered']} buffered; trainer consumed {consumed}, {in_hand} in its unfinished step")
     assert 0 <= in_hand <= 5 * GROUPS_PER_STEP, "groups were lost beyond the dead proxy's buffer"
 
 
 def test_client_re_announces_its_version_to_a_restarted_proxy(capsys):
-    server, _ = proxy.serve(port=0, max_staleness=1)
+    server, _ = proxy.serve(port=0, max_staleness=1, num_generations=2)
     port = server.server_address[1]
     client = proxy.ProxyClient(f"http://127.0.0.1:{port}", max_wait=10)
     client.set_version(5)
     server.shutdown()
     server.server_close()
-    server, _ = proxy.serve(port=port, max_staleness=1)  # restarted: trainer_version 0 again
+    server, _ = proxy.serve(port=port, max_staleness=1, num_generations=2)  # restarted: no trainer version
     try:
+        comp = {"ids": [2], "logprobs": [-1.0], "reward": 1.0, "text": "x", "finish_reason": "stop"}
         group = {"group_id": "old", "policy_version": 1, "worker": "w", "prompt": "p", "prompt_ids": [1],
-                 "completions": [{"ids": [2], "logprobs": [-1.0], "reward": 1.0, "text": "x", "finish_reason": "stop"}]}
-        proxy.ProxyClient(f"http://127.0.0.1:{port}").post_rollouts([group])  # accepted: the proxy thinks v0
-        got = client.get_batch(1, timeout=1)
-        assert got["trainer_version"] == 0 and len(got["groups"]) == 1  # the trainer drops it (gather_groups)
-        assert server.buffer.stats()["trainer_version"] == 5
-        assert "sending version 5 again" in capsys.readouterr().err
+                 "temperature": 1.0, "max_new_tokens": 256, "completions": [comp, dict(comp, reward=0.0)]}
+        proxy.ProxyClient(f"http://127.0.0.1:{port}").post_rollouts([group])  # kept until the version is known
+        got = client.get_batch(1, timeout=1)  # 409: the client announces v5 again; the v1 group is now stale
+        assert got == {"groups": [], "trainer_version": 5}
+        s = server.buffer.stats()
+        assert s["trainer_version"] == 5 and s["dropped_stale"] == 1
+        assert "announcing v5 again" in capsys.readouterr().err
     finally:
         server.shutdown()
         server.server_close()
@@ -405,9 +404,9 @@ def bad_input(tiny_model, tmp_path_factory):
     optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3)
     trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0)
     trainer.save_state(model, optimizer, bucket, {"step": 0, "version": 0, "published_step": 0,
-                                                  "groups_consumed": 0, "guard": {"history": [], "warned_step": 0},
+                                                  "groups_consumed": 0,
                                                   "args": {"model": tiny_model, "lora_r": 8}})
-    server, _ = proxy.serve(port=0, num_generations=8)
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
     yield {"bucket": bucket, "url": f"http://127.0.0.1:{server.server_address[1]}", "server": server}
     server.shutdown()
     server.server_close()
@@ -415,14 +414,14 @@ def bad_input(tiny_model, tmp_path_factory):
 
 def rollout_cmd(model, bucket, url, *extra):
     return [sys.executable, "rollout.py", "--engine", "hf", "--task", "toy", "--model", model, "--bucket", bucket,
-            "--proxy", url, "--prompts-per-batch", "1", "--max-new-tokens", "4", "--max-batches", "1", *extra]
+            "--proxy", url, "--prompts-per-batch", "1", "--max-batches", "1", *extra]
 
 
 def test_replica_with_another_num_generations_than_the_proxy(tiny_model, bad_input):
     r = subprocess.run(rollout_cmd(tiny_model, bad_input["bucket"], bad_input["url"], "--num-generations", "4"),
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     line = one_error_line(r, "rollout.py")
-    assert "4 completions" in line and "start rollout.py with --num-generations 8" in line, line
+    assert "--num-generations 4 disagrees with the proxy's num_generations 8" in line, line
 
 
 def test_replica_on_another_base_model_than_the_adapter(tiny_model, other_model, bad_input):
@@ -463,3 +462,58 @@ def test_trainer_pointed_at_something_that_is_not_a_proxy(tiny_model, tmp_path):
     line = one_error_line(r, "trainer.py")
     assert "HTTP 404" in line and "is the URL a proxy.py?" in line, line
     assert not os.path.exists(tmp_path / "b"), "nothing may be written before the proxy answered"
+
+
+# ----------------------------------------------------------------------------- 6. what the bucket may hold (issue 14)
+
+class RunsCode:
+    """Pickles as a call of open(path, "w"): what a state.pt planted in the bucket could run on load."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_trainer_refuses_a_state_whose_pickle_runs_code(tiny_model, bad_input, tmp_path):
+    """Replicas hold keys that can write the bucket: a state.pt whose pickle would run code is refused
+    (torch.load with weights_only=True) before anything in it runs."""
+    import torch
+
+    state, bucket = tmp_path / "state", str(tmp_path / "bucket")
+    state.mkdir()
+    torch.save({"step": 0, "version": 0, "payload": RunsCode(str(tmp_path / "pwned"))}, state / "state.pt")
+    sync.save_trainer_state(bucket, str(state))
+    r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+                        bad_input["url"], "--max-steps", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=180)
+    assert not (tmp_path / "pwned").exists(), "the planted state.pt ran code in the trainer"
+    assert r.returncode != 0 and "weights only load failed" in r.stderr.lower(), r.stdout[-1000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("ending", ["eval", "SIGTERM"])
+def test_no_rollout_temp_folder_is_left_behind(tiny_model, bad_input, tmp_path, ending):
+    """Without --cache-dir, neither an --eval ending normally nor a replica stopped by SIGTERM (docker
+    stop, jobs.sh) leaves its rollout-* adapter folder in the temp directory."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**ENV, "TMPDIR": str(tmp)}
+    ours = lambda: [n for n in os.listdir(tmp) if n.startswith("rollout-")]  # noqa: E731
+    if ending == "eval":
+        r = subprocess.run([sys.executable, "rollout.py", "--eval", "--engine", "hf", "--task", "arith", "--model",
+                            tiny_model, "--bucket", bad_input["bucket"], "--adapter", "latest", "--limit", "2",
+                            "--max-new-tokens", "4", "--eval-out", str(tmp_path / "eval.json")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+    else:
+        proc = subprocess.Popen(rollout_cmd(tiny_model, bad_input["bucket"], bad_input["url"], "--max-batches", "0"),
+                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline and \
+                not any(os.path.isdir(tmp / n / "v000000") for n in ours()):
+            time.sleep(0.1)
+        assert proc.poll() is None and ours(), "the replica ended (or pulled nothing) before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert ours() == []

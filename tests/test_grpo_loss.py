@@ -25,7 +25,8 @@ import math
 import pytest
 import torch
 
-from grpo_loss import group_advantages, microbatch_weight, policy_loss, token_logprobs
+from grpo_loss import (LOG_RATIO_MAX, all_finite, group_advantages, microbatch_weight, offpolicy_stats, policy_loss,
+                       token_logprobs)
 
 A = torch.tensor([1.0, -1.0, 0.5, -0.5])  # (B,)
 RATIO = torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.5, 9.9], [1.1, 7.0, 7.0], [1.0, 0.9, 1.3]])  # (B, T)
@@ -171,7 +172,9 @@ def test_token_logprobs_equals_log_softmax_gather(dtype):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_microbatches_weighted_sum_equals_full_batch(loss_type):
+def test_microbatches_weighted_sum_equals_trl_loss(loss_type):
+    """grpo, dr_grpo, dapo: the weighted sum over micro-batches is the whole batch's loss. bnpo: it
+    is TRL's, the mean over the micro-batches of each one's token mean (not the whole batch's)."""
     torch.manual_seed(1)
     B, T = 6, 4
     theta = torch.randn(B, T, 5, requires_grad=True)  # (B, T, V) parameters the log-probs come from
@@ -182,22 +185,87 @@ def test_microbatches_weighted_sum_equals_full_batch(loss_type):
     mask = (torch.arange(T) < lengths.unsqueeze(1)).float()  # (B, T)
     kw = dict(loss_type=loss_type, max_completion_length=T, epsilon_high=0.28)
     total_tokens = mask.sum()
+    splits = (slice(0, 1), slice(1, 4), slice(4, 6))  # 1, 3 and 2 sequences; 4, 7 and 4 tokens
 
-    full, _ = policy_loss(token_logprobs(theta, ids), old, adv, mask, **kw)
-    g_full, = torch.autograd.grad(full, theta)
+    if loss_type == "bnpo":  # TRL: each micro-batch (l * m).sum() / m.sum(), / gradient_accumulation_steps
+        want = sum(policy_loss(token_logprobs(theta[mb], ids[mb]), old[mb], adv[mb], mask[mb], **kw)[0]
+                   for mb in splits) / 3
+        full, _ = policy_loss(token_logprobs(theta, ids), old, adv, mask, **kw)
+        assert abs(want.item() - full.item()) > 1e-3, "bnpo should differ from the whole-batch token mean here"
+    else:
+        want, _ = policy_loss(token_logprobs(theta, ids), old, adv, mask, **kw)
+    g_want, = torch.autograd.grad(want, theta)
 
     def split_loss(weight_of):
         total = 0.0
-        for mb in (slice(0, 1), slice(1, 4), slice(4, 6)):  # 1, 3 and 2 sequences
+        for mb in splits:
             loss, _ = policy_loss(token_logprobs(theta[mb], ids[mb]), old[mb], adv[mb], mask[mb],
                                   num_tokens=total_tokens if loss_type == "dapo" else None, **kw)
             total = total + weight_of(mask[mb]) * loss
         return total
 
-    summed = split_loss(lambda m: microbatch_weight(loss_type, m, B, total_tokens))
+    summed = split_loss(lambda m: microbatch_weight(loss_type, m, B, len(splits)))
     g_summed, = torch.autograd.grad(summed, theta)
-    assert summed.item() == pytest.approx(full.item(), abs=1e-6)
-    torch.testing.assert_close(g_summed, g_full, atol=1e-6, rtol=1e-5)
-    if loss_type != "dapo":  # the test can fail: averaging over micro-batches (1/3 each) is wrong here
+    assert summed.item() == pytest.approx(want.item(), abs=1e-6)
+    torch.testing.assert_close(g_summed, g_want, atol=1e-6, rtol=1e-5)
+    if loss_type in ("grpo", "dr_grpo"):  # the test can fail: averaging over micro-batches (1/3 each) is wrong here
         naive = split_loss(lambda m: 1 / 3)
-        assert abs(naive.item() - full.item()) > 1e-3
+        assert abs(naive.item() - want.item()) > 1e-3
+
+
+def test_bnpo_num_tokens_counts_rows_left_out_of_the_forward():
+    logprobs, old = example()
+    loss, _ = policy_loss(logprobs, old, A, MASK, loss_type="bnpo", num_tokens=13)  # 4 more tokens, advantage 0
+    assert loss.item() == pytest.approx(0.05, abs=1e-7)
+
+
+def test_delta_caps_the_ratio_of_negative_advantages():
+    # delta 1.5, clip [0.8, 1.28]. A < 0: r = 2.0 -> loss 1.5 (capped, no gradient); r = 1.3 -> 1.3,
+    # gradient -A * r = 1.3. A > 0: r = 2.0 -> clipped at 1.28 as without delta.
+    ratio = torch.tensor([[2.0, 1.3], [2.0, 1.0]])  # (2, 2)
+    adv = torch.tensor([-1.0, 1.0])  # (2,)
+    logprobs = ratio.log().requires_grad_()  # (2, 2)
+    loss, stats = policy_loss(logprobs, torch.zeros(2, 2), adv, torch.ones(2, 2), epsilon_high=0.28,
+                              loss_type="bnpo", delta=1.5)
+    assert loss.item() == pytest.approx((1.5 + 1.3 - 1.28 - 1.0) / 4, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 1.3], [0.0, -1.0]]) / 4)
+    assert stats["ratio_mean"] == pytest.approx(6.3 / 4)  # the ratio before delta caps it
+    without, _ = policy_loss(ratio.log(), torch.zeros(2, 2), adv, torch.ones(2, 2), epsilon_high=0.28,
+                             loss_type="bnpo")
+    assert without.item() == pytest.approx((2.0 + 1.3 - 1.28 - 1.0) / 4, abs=1e-6)
+    with pytest.raises(ValueError, match="delta must be >= 1 \\+ epsilon_high"):
+        policy_loss(logprobs, torch.zeros(2, 2), adv, torch.ones(2, 2), epsilon_high=0.28, delta=1.2)
+
+
+def test_extreme_sampler_logprob_gives_finite_loss_and_gradient():
+    # One token with a sampler log-prob of -1e29: exp(logp - old) would be inf, and its gradient NaN
+    # (inf * 0 in the clipped branch). The log-ratio is held at LOG_RATIO_MAX: no gradient there.
+    for adv, want_token_loss in [(1.0, -1.2), (-1.0, math.exp(LOG_RATIO_MAX))]:
+        logprobs = torch.full((1, 3), -1.0, requires_grad=True)  # (1, 3)
+        old = torch.tensor([[-1e29, -1.0, -1.0]])  # (1, 3) ratios: huge, 1, 1
+        loss, stats = policy_loss(logprobs, old, torch.tensor([adv]), torch.ones(1, 3), loss_type="bnpo")
+        loss.backward()
+        assert math.isfinite(loss.item()) and all_finite([logprobs.grad])
+        assert loss.item() == pytest.approx((want_token_loss - 2 * adv) / 3, rel=1e-5)
+        torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -adv / 3, -adv / 3]]))
+
+
+def test_offpolicy_stats_by_hand():
+    # Row 0: ratios 1, 2, 0.5 -> k3 = (r - 1) - log r: 0, 1 - ln 2, ln 2 - 0.5; outside [0.8, 1.2]: 2.
+    # Row 1: ratio 1.1 on its one token; the padding (9.9) does not count.
+    ln2 = math.log(2.0)
+    old = torch.zeros(2, 3)  # (2, 3)
+    logprobs = torch.tensor([[0.0, ln2, -ln2], [math.log(1.1), 5.0, 5.0]])  # (2, 3)
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])  # (2, 3)
+    got = offpolicy_stats(logprobs, old, mask, epsilon=0.2)
+    torch.testing.assert_close(got["tokens"], torch.tensor([3.0, 1.0]))
+    torch.testing.assert_close(got["approx_kl"], torch.tensor([0.5, 0.1 - math.log(1.1)]))  # 1 - ln2 + ln2 - 0.5
+    torch.testing.assert_close(got["clipped"], torch.tensor([2.0, 0.0]))
+    torch.testing.assert_close(got["ratio_max"], torch.tensor([2.0, 1.1]))
+
+
+def test_all_finite():
+    assert all_finite([torch.ones(3), None, torch.zeros(2, 2)]) and all_finite([])
+    assert not all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([float("-inf")])])

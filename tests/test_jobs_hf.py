@@ -1,43 +1,61 @@
-"""jobs.sh on Hugging Face Jobs, with a stand-in `hf` first on PATH.
+"""jobs.sh on Hugging Face Jobs, with a recording stand-in `hf` first on PATH.
 
-The real service cannot be reached from here. The stand-in records every argument vector it is
-called with and answers `jobs run --detach` with a fresh 24-hex job id, as the real CLI does; the
-test then checks what each of the three launches carries, and that `stop` cancels exactly the
-ids that were launched.
+The stand-in records every argument vector it is called with and answers as huggingface_hub 2.4's
+CLI does (`hf version`, `hf jobs run --detach` printing "id: <24 hex>", `hf jobs inspect --format
+json`); environment variables make it fail where a test needs it to. These tests check what each
+launch carries and how jobs.sh handles failures. tests/test_jobs_emulated.py runs the same jobs
+for real, through the real CLI. Every jobs.sh here runs under bash 3.2's `set -u` rule (conftest).
 """
 
 import os
 import re
 import shlex
-import shutil
 import subprocess
-import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+from conftest import ROOT, jobs_sh
 
 STAND_IN = r"""#!/usr/bin/env bash
-# stand-in for the hf CLI: record the call, answer like the real one
+# stand-in for the hf CLI: record the call, answer like huggingface_hub 2.4's
 printf '%q ' "$@" >> "$HF_STANDIN_LOG"; echo >> "$HF_STANDIN_LOG"
-case "$1 $2" in
+case "$1 ${2:-}" in
+  "version ")
+    printf '%s\n' "${HF_STANDIN_VERSION:-✓ hf version
+  version: 2.4.0}" ;;
   "jobs run")
     n=$(grep -c '^jobs run' "$HF_STANDIN_LOG")
-    printf 'Job started with ID: %024x\nView at: https://huggingface.co/jobs/u/%024x\n' $((0xabc000 + n)) $((0xabc000 + n)) ;;
+    if [ "$n" = "${HF_STANDIN_FAIL_RUN:-}" ]; then echo "Error: 402 Payment Required: not enough credits" >&2; exit 1; fi
+    echo "✓ Job started"
+    [ "$n" = "${HF_STANDIN_NO_ID:-}" ] && exit 0
+    printf '  id: %024x\n  url: https://huggingface.co/jobs/alice/%024x\n' $((0xabc000 + n)) $((0xabc000 + n))
+    printf 'Use `hf jobs logs -f alice/%024x` to stream logs\n' $((0xabc000 + n)) >&2 ;;
   "auth token") echo hf_standin_token ;;
-  "jobs inspect") echo '[{"id": "'"$3"'", "status": {"stage": "RUNNING"}}]' ;;
+  "jobs inspect")
+    id=${!#}
+    if [ "$3 $4" = "--format json" ]; then echo '[{"id": "'"$id"'", "status": {"stage": "RUNNING", "message": null}}]'
+    else printf 'ID                       STATUS\n%s {stage: RUNNING}\n' "$id"; fi ;;
+  "jobs cancel")
+    if [ "$3" = "${HF_STANDIN_FAIL_CANCEL:-}" ]; then echo "Error: 500 Internal Server Error" >&2; exit 1; fi ;;
 esac
 """
+CONTRACT_FLAGS = ["--num-generations", "--groups-per-step", "--max-staleness", "--temperature",
+                  "--max-new-tokens", "--max-completion-length", "--prompts-per-batch", "--sync-every",
+                  "--zero-variance"]
 
 
 def run_jobs(tmp_path, *args, **env_extra):
+    """Run jobs.sh with the stand-in first on PATH; returns (result, the stand-in's calls)."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     hf = bindir / "hf"
     hf.write_text(STAND_IN)
     hf.chmod(0o755)
     log = tmp_path / "hf-calls.log"
+    if log.exists():
+        log.unlink()
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_STANDIN_LOG=str(log), **env_extra)
     env.pop("HF_TOKEN", None)
-    res = subprocess.run(["bash", "jobs.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(jobs_sh(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     calls = [shlex.split(line) for line in log.read_text().splitlines()] if log.exists() else []
     return res, calls
 
@@ -46,77 +64,159 @@ def value_after(argv, flag):
     return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
-def test_hf_jobs_launch_and_stop(tmp_path):
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    last = os.path.join(ROOT, "runs", ".last-hf")
-    saved_last = open(last).read() if os.path.exists(last) else None
-    try:
-        res, calls = run_jobs(tmp_path, NAME=name, BUCKET="alice/grpo-bucket", REPLICAS="2",
-                              ROLLOUT_FLAVOR="a10g-small", TRAINER_FLAVOR="a100-large")
-        assert res.returncode == 0, res.stderr + res.stdout
-        assert ["buckets", "create", "alice/grpo-bucket", "--private", "--exist-ok"] in calls
-        runs = [c for c in calls if c[:2] == ["jobs", "run"]]
-        assert len(runs) == 4, runs  # proxy, 2 replicas, trainer
-        proxy, r0, r1, trainer = runs
-        for c in runs:
-            assert "--detach" in c and value_after(c, "--secrets") == ["HF_TOKEN"]
-            assert any(v.endswith(":/code") for v in value_after(c, "-v")), c  # code shipped as a volume
-
-        # the proxy: CPU flavour, port exposed, bound to 0.0.0.0, token from the HF token secret
-        assert value_after(proxy, "--flavor") == ["cpu-basic"]
-        assert value_after(proxy, "--expose") == ["8000"]
-        assert "--host 0.0.0.0 --port 8000" in proxy[-1] and "PROXY_TOKEN=$HF_TOKEN" in proxy[-1]
-
-        # its job id, as the stand-in printed it, makes the URL the others are given
-        proxy_id = re.search(r"proxy: ([0-9a-f]{24})", res.stdout).group(1)
-        url = f"https://{proxy_id}--8000.hf.jobs"
-        for i, c in enumerate([r0, r1]):
-            assert value_after(c, "--flavor") == ["a10g-small"]
-            assert "hf://buckets/alice/grpo-bucket:/bucket:ro" in value_after(c, "-v")  # read-only
-            assert f"PROXY_URL={url}" in value_after(c, "-e")
-            assert c[-4].startswith("vllm/vllm-openai:") and c[-3:-1] == ["bash", "-c"]
-            cmd = c[-1]
-            assert "rollout.py" in cmd and f"--proxy {url}" in cmd and f"--replica-id {i}" in cmd
-            assert f"--bucket /bucket/{name}" in cmd and "--num-replicas 2" in cmd
-        assert value_after(trainer, "--flavor") == ["a100-large"]
-        assert "hf://buckets/alice/grpo-bucket:/bucket" in value_after(trainer, "-v")  # read-write
-        assert f"PROXY_URL={url}" in value_after(trainer, "-e")
-        assert "trainer.py" in trainer[-1] and f"--proxy {url}" in trainer[-1]
-
-        # jobs.txt holds the four ids; stop cancels exactly those
-        with open(os.path.join(ROOT, "runs", name, "jobs.txt")) as f:
-            ids = [line.split()[1] for line in f]
-        assert len(set(ids)) == 4 and ids[0] == proxy_id
-        (tmp_path / "hf-calls.log").unlink()
-        res, calls = run_jobs(tmp_path, "stop", NAME=name)
-        assert res.returncode == 0, res.stderr
-        assert sorted(c[2] for c in calls if c[:2] == ["jobs", "cancel"]) == sorted(ids)
-        assert all(c[:2] == ["jobs", "cancel"] for c in calls)
-
-        res, calls = run_jobs(tmp_path, "status", NAME=name)
-        assert res.returncode == 0 and res.stdout.count("RUNNING") == 4, res.stdout + res.stderr
-    finally:
-        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
-        if saved_last is None:
-            if os.path.exists(last):
-                os.remove(last)
-        else:
-            with open(last, "w") as f:
-                f.write(saved_last)
+def job_runs(calls):
+    return [c for c in calls if c[:2] == ["jobs", "run"]]
 
 
-def test_hf_jobs_dry_run_runs_nothing(tmp_path):
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    try:
-        res, calls = run_jobs(tmp_path, NAME=name, BUCKET="alice/b", DRY_RUN="1")
-        assert res.returncode == 0, res.stderr
-        assert calls == []  # nothing reached the CLI
-        printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
-        assert len(printed) == 4 and "--expose 8000" in printed[0]
-    finally:
-        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+def recorded_ids(name):
+    with open(os.path.join(ROOT, "runs", name, "jobs.txt")) as f:
+        return [line.split() for line in f]
+
+
+def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name):
+    name = hf_run_name
+    res, calls = run_jobs(tmp_path, NAME=name, BUCKET="alice/grpo-bucket", REPLICAS="2",
+                          ROLLOUT_FLAVOR="a10g-small", TRAINER_FLAVOR="a100-large")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert calls[0] == ["version"]  # the CLI's version is checked before anything else
+    assert ["buckets", "create", "alice/grpo-bucket", "--private", "--exist-ok"] in calls
+    runs = job_runs(calls)
+    assert len(runs) == 4, runs  # proxy, 2 replicas, trainer
+    proxy, r0, r1, trainer = runs
+    for c, role in zip(runs, ["proxy", "rollout-0", "rollout-1", "trainer"]):
+        assert "--detach" in c and value_after(c, "--secrets") == ["HF_TOKEN"]
+        assert value_after(c, "--name") == [f"{name}-{role}"]
+        assert any(v.endswith(":/code") for v in value_after(c, "-v")), c  # code shipped as a volume
+        assert c[-3:-1] == ["bash", "-c"]
+        # the images link python3 only: never a bare `python`
+        assert "exec python3 " in c[-1] and not re.search(r"\bpython\b(?!3)", c[-1]), c[-1]
+
+    # the proxy: CPU flavour, port exposed, bound to 0.0.0.0, token from the HF token secret, and
+    # the whole contract, at the GPU experiment's defaults; nothing to install in python:3.12-slim
+    assert value_after(proxy, "--flavor") == ["cpu-basic"] and value_after(proxy, "--expose") == ["8000"]
+    assert proxy[-4] == "python:3.12-slim" and "pip install" not in proxy[-1]
+    assert "--host 0.0.0.0 --port 8000" in proxy[-1] and "PROXY_TOKEN=$HF_TOKEN" in proxy[-1]
+    for flag in ["--num-generations 8", "--groups-per-step 16", "--max-staleness 4", "--temperature 1.0",
+                 "--max-new-tokens 256", "--zero-variance keep"]:
+        assert flag in proxy[-1], (flag, proxy[-1])
+
+    # its job id, as the stand-in printed it, makes the URL the others are given
+    proxy_id = re.search(r"proxy: ([0-9a-f]{24})", res.stdout).group(1)
+    url = f"https://{proxy_id}--8000.hf.jobs"
+    for i, c in enumerate([r0, r1]):
+        assert value_after(c, "--flavor") == ["a10g-small"]
+        assert "hf://buckets/alice/grpo-bucket:/bucket:ro" in value_after(c, "-v")  # read-only
+        assert c[-4].startswith("vllm/vllm-openai:")
+        cmd = c[-1]
+        assert "rollout.py" in cmd and f"--proxy {url}" in cmd and f"--replica-id {i}" in cmd
+        assert f"--bucket /bucket/{name}" in cmd and "--num-replicas 2" in cmd
+        assert "--model Qwen/Qwen2.5-0.5B-Instruct" in cmd and "--task gsm8k" in cmd
+    assert value_after(trainer, "--flavor") == ["a100-large"]
+    assert "hf://buckets/alice/grpo-bucket:/bucket" in value_after(trainer, "-v")  # read-write
+    assert "trainer.py" in trainer[-1] and f"--proxy {url}" in trainer[-1] and "--max-steps 200" in trainer[-1]
+    for c in [r0, r1, trainer]:  # the contract reaches them through the proxy's /config only
+        assert not [f for f in CONTRACT_FLAGS if f in c[-1]], c[-1]
+        assert c[-1].startswith("pip install ") and "/code/requirements.txt" in c[-1]
+
+    # the package list the jobs install: requirements.txt without torch (the image's) and gguf
+    pkgs = re.search(r"\$\((.*?)\) &&", r0[-1]).group(1).replace("/code/", ROOT + "/")
+    installed = subprocess.run(["bash", "-c", pkgs], capture_output=True, text=True, check=True).stdout.split()
+    assert "peft==0.21.2" in installed and "requests==2.34.2" in installed
+    assert not [p for p in installed if p.startswith(("torch", "gguf"))], installed
+
+    # runs/.last-hf and jobs.txt; status reads `hf jobs inspect --format json`; stop cancels all
+    assert open(os.path.join(ROOT, "runs", ".last-hf")).read().strip() == name
+    ids = [i for _, i in recorded_ids(name)]
+    assert len(set(ids)) == 4 and ids[0] == proxy_id
+    res, calls = run_jobs(tmp_path, "status", NAME=name)
+    assert res.returncode == 0 and res.stdout.count("RUNNING") == 4, res.stdout + res.stderr
+    assert [c for c in calls if c[:2] == ["jobs", "inspect"]] == [["jobs", "inspect", "--format", "json", i] for i in ids]
+    res, calls = run_jobs(tmp_path, "stop", NAME=name)
+    assert res.returncode == 0, res.stderr
+    assert [c for c in calls if c[:2] == ["jobs", "cancel"]] == [["jobs", "cancel", i] for i in ids]
+
+
+def test_hf_jobs_stop_cancels_every_job_when_one_cancel_fails(tmp_path, hf_run_name):
+    res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", REPLICAS="2")
+    assert res.returncode == 0, res.stderr
+    roles, ids = zip(*recorded_ids(hf_run_name))
+    res, calls = run_jobs(tmp_path, "stop", NAME=hf_run_name, HF_STANDIN_FAIL_CANCEL=ids[1])
+    assert res.returncode != 0
+    assert [c[2] for c in calls if c[:2] == ["jobs", "cancel"]] == list(ids)  # went on after the failure
+    assert f"could not cancel {roles[1]} {ids[1]}" in res.stdout and f"not cancelled: {roles[1]}" in res.stderr
+
+
+@pytest.mark.parametrize("fault, message", [("HF_STANDIN_FAIL_RUN", "'hf jobs run' failed for the rollout-1 job"),
+                                            ("HF_STANDIN_NO_ID", "no job id in the output of 'hf jobs run' for the rollout-1 job")])
+def test_hf_jobs_failed_launch_cancels_what_it_started(tmp_path, hf_run_name, fault, message):
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", REPLICAS="2", **{fault: "3"})
+    assert res.returncode != 0 and message in res.stderr, res.stderr
+    assert "cancelling the jobs this launch started" in res.stderr
+    started = recorded_ids(hf_run_name)  # each id was recorded as soon as it was known
+    assert [r for r, _ in started] == ["proxy", "rollout-0"]
+    assert [c[2] for c in calls if c[:2] == ["jobs", "cancel"]] == [i for _, i in started]
+    assert len(job_runs(calls)) == 3  # nothing launched after the failure
+    assert open(os.path.join(ROOT, "runs", ".last-hf")).read().strip() == hf_run_name
+
+
+@pytest.mark.parametrize("version_output", ["✓ hf version\n  version: 1.23.0", "huggingface_hub version: 0.34.0"])
+def test_hf_jobs_refuses_an_hf_cli_older_than_1_24(tmp_path, hf_run_name, version_output):
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", HF_STANDIN_VERSION=version_output)
+    assert res.returncode != 0 and "needs hf >= 1.24" in res.stderr, res.stderr
+    assert job_runs(calls) == []
+
+
+def test_hf_jobs_dry_run_prints_the_gpu_experiment_and_runs_nothing(tmp_path, hf_run_name):
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    assert calls == []  # nothing reached the CLI
+    for line in ["MODEL            Qwen/Qwen2.5-0.5B-Instruct", "TASK             gsm8k",
+                 "MAX_NEW_TOKENS   256", "GROUPS_PER_STEP  16", "MAX_STALENESS    4", "NUM_GENERATIONS  8"]:
+        assert line in res.stdout, res.stdout
+    printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
+    assert len(printed) == 4 and "--expose 8000" in printed[0]
+    assert all("exec python3 " in p for p in printed)
+
+
+def test_hf_jobs_s3_bucket_dry_run(tmp_path, hf_run_name):
+    """An S3 bucket: no volume arrays, only AWS secrets — the path where bash 3.2 met empty arrays."""
+    res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="s3://b/prefix", DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
+    assert len(printed) == 4 and all("hf://buckets" not in p for p in printed)
+    assert all("--secrets AWS_ACCESS_KEY_ID" in p for p in printed[1:])
+    assert f"--bucket s3://b/prefix/{hf_run_name}" in printed[-1]
 
 
 def test_hf_jobs_needs_a_bucket(tmp_path):
     res, calls = run_jobs(tmp_path, NAME="x")
     assert res.returncode != 0 and "BUCKET is required" in res.stderr and calls == []
+
+
+@pytest.mark.parametrize("mode", [[], ["--local"], ["stop"]])
+@pytest.mark.parametrize("name", ["../x", "a/b", "run:1", "a b", ".hidden"])
+def test_jobs_sh_refuses_a_name_that_is_not_a_plain_folder_name(tmp_path, mode, name):
+    res, calls = run_jobs(tmp_path, *mode, NAME=name, BUCKET="alice/b")
+    assert res.returncode != 0 and f"NAME '{name}'" in res.stderr, res.stderr + res.stdout
+    assert calls == [] and not os.path.exists(os.path.join(ROOT, "runs", name))
+
+
+def test_the_bash_3_2_check_can_fail(tmp_path):
+    script = tmp_path / "s.sh"
+    script.write_text('set -u\na=()\necho "${a[@]}" done\n')
+    assert subprocess.run(["bash", str(script)], capture_output=True).returncode == 0  # bash 5 lets it by
+    res = subprocess.run(jobs_sh(script=str(script)), capture_output=True, text=True)
+    assert res.returncode != 0 and "bash 3.2" in res.stderr
+
+
+@pytest.mark.parametrize("script", ["jobs.sh", "scripts/gpu_check.sh"])
+def test_launch_scripts_use_nothing_newer_than_bash_3_2(script):
+    text = open(os.path.join(ROOT, script)).read()
+    code = "\n".join(line.split(" #")[0] for line in text.splitlines() if not line.lstrip().startswith("#"))
+    newer = {"associative arrays": r"(declare|local|typeset) -[a-zA-Z]*A", "mapfile/readarray": r"\b(mapfile|readarray)\b",
+             "case conversion": r"\$\{\w+(\^|,)", "namerefs": r"(declare|local) -[a-zA-Z]*n\b",
+             "negative subscripts": r"\[-\d+\]\}", "coproc": r"\bcoproc\b", "wait -n": r"\bwait -n\b",
+             "|& and &>>": r"\|&|&>>", "case fall-through": r";;&|;&", "[[ -v": r"\[\[ -v",
+             "EPOCHSECONDS": r"EPOCH(SECONDS|REALTIME)", "${!array[@]}": r"\$\{!\w+\[@\]\}"}
+    found = {what: re.findall(rx, code) for what, rx in newer.items() if re.search(rx, code)}
+    assert found == {}, f"{script} uses bash >= 4 features: {found}"

@@ -15,6 +15,8 @@ import time
 import uuid
 
 import pytest
+
+import sync
 from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,8 +85,7 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
     finally:
         kill_leftovers(run, port)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    with open(os.path.join(run, "bucket", "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
+    metrics = sync.read_metrics(os.path.join(run, "bucket"))
     assert [m["step"] for m in metrics] == list(range(1, 25))
     rewards = [m["reward_mean"] for m in metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6

@@ -1,5 +1,6 @@
 """Fuzz proxy.py with 600 seeded malformed or hostile requests over raw sockets: every one gets a
-4xx (never 429, never 5xx), the proxy stays healthy, and no counter but `rejected` moves.
+4xx (never 429, never 5xx), the proxy stays healthy, and no counter but `rejected` moves (nor the
+trainer's version, nor the run's state: a replica's token cannot set them).
 
     .venv/bin/python -m pytest tests/test_proxy_fuzz.py -q
 """
@@ -11,15 +12,17 @@ import random
 import requests
 
 from proxy import MAX_COMPLETIONS, ProxyClient, serve
-from test_proxy import make_group, raw_request
+from test_proxy import healthy, make_group, raw_request
 
 TOKEN = "fuzz-token"
+REPLICA_TOKEN = "fuzz-replica-token"
 MAX_GROUPS = 16
 NAN, INF = float("nan"), float("inf")
 BAD_STRING = [None, 1, 1.5, True, [], {}, ["x"], NAN]
 BAD_INT = [None, -1, -(2**40), 1.5, "1", True, [], {}, 2**31, 2**80, NAN, INF, -INF]
 BAD_IDS = [None, "abc", 5, {}, [1, "a"], [1.5], [-1], [2**31], [True], [None], [NAN], [[1]]]
-BAD_LOGPROBS = [None, "x", 5, {}, [NAN], [INF], [-INF], ["x"], [True], [1e31], [None], [[-0.1]]]
+BAD_LOGPROBS = [None, "x", 5, {}, [NAN], [INF], [-INF], ["x"], [True], [1e31], [None], [[-0.1]], [0.5], [1e-300],
+                [-1e29], [-1000.5]]
 BAD_NUMBER = [None, "1", True, [], {}, NAN, INF, -INF, 1e40, -(10**40)]
 BAD_BODIES = [b"", b"{", b"}", b"[", b"null", b"1", b'"groups"', b"[]", b"{}", b'{"groups": null}',
               b'{"groups": {}}', b'{"groups": []}', b'{"groups": "all"}', b'{"groups": [null]}', b'{"groups": [1]}',
@@ -34,7 +37,7 @@ def mutated_group(rnd):
     """A valid group with one field made wrong (or removed, or an unknown one added)."""
     g = make_group(f"fz-{rnd.random()}", version=rnd.randint(1, 3), n=rnd.randint(1, 4), tokens=rnd.randint(1, 8))
     c = rnd.choice(g["completions"])
-    kind = rnd.randrange(9)
+    kind = rnd.randrange(10)
     if kind == 0:
         g[rnd.choice(["group_id", "worker"])] = rnd.choice(BAD_STRING + ["", "x" * 300])  # 1 to 256 characters
         g["prompt"] = rnd.choice(BAD_STRING) if rnd.random() < 0.3 else g["prompt"]
@@ -61,6 +64,13 @@ def mutated_group(rnd):
         target.pop(rnd.choice(sorted(target)))
         if rnd.random() < 0.5:
             target["unexpected"] = 1
+    elif kind == 8:  # sampled with other settings than the run's, or longer than its max_new_tokens
+        change = rnd.choice([("temperature", rnd.choice([0.7, 1.0001, 0, -1, NAN, "1", None])),
+                             ("max_new_tokens", rnd.choice([255, 0, 2**31, "256", None, 256.0]))])
+        g[change[0]] = change[1]
+        if rnd.random() < 0.3:  # or: the settings right, one completion too long
+            g.update(temperature=1.0, max_new_tokens=256)
+            c["ids"], c["logprobs"] = [3] * 257, [-0.1] * 257
     else:
         tiny = {"ids": [3], "logprobs": [-0.1], "reward": 0, "text": "", "finish_reason": "stop"}
         g["completions"] = rnd.choice([[], None, "x", {}, [None], [1], [tiny] * (MAX_COMPLETIONS + 1)])
@@ -89,27 +99,42 @@ def hostile_request(rnd, valid_body):
         body = {"groups": [make_group(f"many-{i}") for i in range(MAX_GROUPS + 1)]}
         return http("POST", "/rollouts", json.dumps(body).encode() if rnd.random() < 0.5 else rnd.randbytes(300)), False
     if kind == 5:  # no token, a wrong one, another scheme: with a perfectly valid request
-        token = rnd.choice([None, "", "fuzz-toke", TOKEN + "n", TOKEN.upper(), "x" * 5000])
+        token = rnd.choice([None, "", "fuzz-toke", TOKEN + "n", TOKEN.upper(), "x" * 5000, REPLICA_TOKEN + " "])
         method, path, body = rnd.choice([("POST", "/rollouts", valid_body), ("GET", "/stats", None),
-                                         ("GET", "/batch?groups=1&timeout=0", None),
+                                         ("GET", "/batch?groups=1&timeout=0", None), ("GET", "/config", None),
+                                         ("GET", "/quota?worker=w&version=1", None), ("POST", "/done", b"{}"),
                                          ("POST", "/version", b'{"version": 9}')])
         extra = [f"Authorization: Basic {TOKEN}"] if token is None and rnd.random() < 0.5 else []
+        if rnd.random() < 0.4:  # the replicas' token, on the trainer's endpoints: 403
+            method, path, body = rnd.choice([("GET", "/batch?groups=1&timeout=0", None), ("POST", "/done", b"{}"),
+                                             ("POST", "/version", b'{"version": 2147483647}')])
+            token = REPLICA_TOKEN
         return http(method, path, body, token=token, headers=extra), False
     if kind == 6:  # wrong methods, on every path
         method = rnd.choice(["PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "FOO", "get", "HEAD"])
-        return http(method, rnd.choice(["/rollouts", "/batch", "/version", "/stats", "/healthz"]), None), False
+        return http(method, rnd.choice(["/rollouts", "/batch", "/version", "/stats", "/healthz", "/quota", "/config",
+                                         "/done"]), None), False
     if kind == 7:  # right paths, wrong method; and unknown paths
         method, path = rnd.choice([("GET", "/rollouts"), ("GET", "/version"), ("POST", "/stats"), ("POST", "/batch"),
+                                   ("GET", "/done"), ("POST", "/quota"), ("POST", "/config"),
                                    ("POST", "/healthz"), ("GET", "/"), ("GET", "/admin"), ("POST", "/rollouts/"),
                                    ("GET", "/../etc/passwd"), ("GET", "/STATS"), ("GET", "/%00"),
                                    ("GET", "/" + "a" * 8000), ("POST", "/rollouts;x"), ("GET", "http://evil/stats")])
         return http(method, path, valid_body if method == "POST" else None), False
+    if kind == 8 and rnd.random() < 0.4:  # GET /quota with a bad query
+        q = rnd.choice(["", "worker=w", "version=1", "worker=&version=1", "worker=w&version=-1", "worker=w&version=x",
+                        "worker=w&version=1&max=0", "worker=w&version=1&max=-5", "worker=w&version=1&timeout=nan",
+                        "worker=w&version=1&timeout=-2", "worker=w&version=1&extra=1", "worker=w&worker=v&version=1",
+                        f"worker={'w' * 257}&version=1", "worker=w&version=99999999999999"])
+        return http("GET", "/quota?" + q, None, token=rnd.choice([TOKEN, REPLICA_TOKEN])), False
     if kind == 8:  # GET /batch with a bad query
         q = rnd.choice(["", "groups=0", "groups=-1", "groups=abc", "groups=1e3", f"groups={MAX_GROUPS + 1}",
                         "groups=", "groups=99999999999999999999", "groups=1&timeout=nan", "groups=1&timeout=inf",
                         "groups=1&timeout=-1", "groups=1&timeout=x", "groups=1&evil=1", "groups=1&groups=2",
                         "groups=1&" + "&".join(f"k{i}=1" for i in range(20)), "groups=%FF", "timeout=1"])
         return http("GET", "/batch?" + q, None), False
+    if kind == 9 and rnd.random() < 0.3:  # POST /done with a body that is not {}
+        return http("POST", "/done", rnd.choice([b'{"now": true}', b"[]", b"null", b"", b"{", b'{"done": 1}'])), False
     if kind == 9:  # POST /version with a bad body, or one going back (409)
         v = rnd.choice([-1, -(2**40), 1.5, "2", True, None, [], {}, 2**31, NAN, INF, 0])
         body = json.dumps({"version": v} if rnd.random() < 0.8 else {"versions": 5}).encode()
@@ -131,12 +156,13 @@ def hostile_request(rnd, valid_body):
 
 
 def test_600_hostile_requests_get_4xx_and_change_no_counter():
-    server, _ = serve(token=TOKEN, max_groups=MAX_GROUPS, max_body_mb=0.5, max_staleness=2, request_timeout=5)
+    server, _ = serve(token=TOKEN, rollout_token=REPLICA_TOKEN, max_groups=MAX_GROUPS, max_body_mb=0.5, max_staleness=2,
+                      request_timeout=5, num_generations=2)
     port = server.server_address[1]
     url = f"http://127.0.0.1:{port}"
     try:
         client = ProxyClient(url, token=TOKEN)  # some state to keep: buffered, delivered, a version
-        client.post_rollouts([make_group(f"seed-{i}", version=1) for i in range(4)])
+        client.post_rollouts([make_group(f"seed-{i}", version=1) for i in range(4)])  # before the trainer's version
         client.set_version(1)
         assert len(client.get_batch(1)["groups"]) == 1
         before = client.stats()
@@ -149,12 +175,12 @@ def test_600_hostile_requests_get_4xx_and_change_no_counter():
             assert 400 <= status < 500 and status != 429, (i, status, data[:300])
             statuses[status] = statuses.get(status, 0) + 1
         after = client.stats()
-        assert client.healthy()
+        assert healthy(url)
         for key in before:
             if key not in ("rejected", "uptime_s"):
                 assert after[key] == before[key], key
         assert after["rejected"] == before["rejected"] + 600  # each counted once as a bad request
-        assert {400, 401, 404, 405, 409, 411, 413} <= set(statuses), statuses
+        assert {400, 401, 403, 404, 405, 409, 411, 413} <= set(statuses), statuses
         # and it still works: the valid body is accepted, then handed out
         assert client.post_rollouts(json.loads(valid_body)["groups"])["accepted"] == 1
         assert requests.get(url + "/batch?groups=4", headers={"Authorization": f"Bearer {TOKEN}"}).json()["groups"][-1][

@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -82,16 +84,19 @@ def hf_engine(tiny_model):
 
 @pytest.fixture
 def proxy_url():
-    server, thread = proxy.serve(port=0, max_staleness=4)
+    """A proxy with this file's contract: G=6, 3 groups per step, 12 new tokens at TEMPERATURE."""
+    server, thread = proxy.serve(port=0, max_staleness=4, num_generations=6, groups_per_step=3, max_new_tokens=12,
+                                 temperature=TEMPERATURE)
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
 
 
 def replica_args(bucket, proxy_url, *extra):
-    return rollout.parse_args(["--model", "unused", "--bucket", bucket, "--proxy", proxy_url, "--task", "toy",
-                               "--num-generations", "6", "--prompts-per-batch", "2", "--max-new-tokens", "12",
-                               "--temperature", str(TEMPERATURE), "--max-staleness", "4", *extra])
+    """rollout.py's args with the proxy's contract taken, as run_replica does."""
+    args = rollout.parse_args(["--model", "unused", "--bucket", bucket, "--proxy", proxy_url, "--task", "toy", *extra])
+    rollout.take_contract(args, proxy.ProxyClient(proxy_url))
+    return args
 
 
 def check_group(g, version, tokenizer, task="toy", max_new_tokens=12, n=6):
@@ -131,13 +136,18 @@ def test_hot_reload_matches_transformers_peft(engine_name, request, adapters, re
     sync.publish_adapter(bucket, adapters[0], 0)
     client = proxy.ProxyClient(proxy_url)
     # arith: prompts of different lengths in one batch, so the hf engine's left padding is exercised
-    args = replica_args(bucket, proxy_url, "--task", "arith", "--prompts-per-batch", "3")
-    replica = rollout.Replica(args, engine, sync.open_bucket(bucket), client, cache)
+    args = replica_args(bucket, proxy_url, "--task", "arith")
+    replica = rollout.Replica(args, engine, sync.open_bucket(bucket), client, sync.AdapterCache(cache))
+    replica.refresh()  # v0
     model_before = engine_core(engine)
 
-    s0 = replica.batch()
-    sync.publish_adapter(bucket, adapters[1], 1)  # the trainer publishes new weights
-    s1 = replica.batch()
+    client.set_version(0)  # the trainer announces itself
+    s0 = replica.batch(3)
+    sync.publish_adapter(bucket, adapters[1], 1)  # the trainer publishes new weights, then announces them
+    client.set_version(1)
+    replica.trainer_version = 1
+    replica.refresh()
+    s1 = replica.batch(3)
     assert (s0["version"], s1["version"], s1["accepted"]) == (0, 1, 3)
     assert s1["reload_s"] > 0 and os.listdir(cache) == ["v000001"]  # the old pull is cleaned up
     assert engine_core(engine) is model_before  # the same engine / weights in memory: no restart
@@ -166,22 +176,33 @@ def test_greedy_engines_agree(hf_engine, vllm_engine, adapters):
     assert hf == vl and hf[0] != hf[1]  # the same argmax path from both engines (left padding is harmless)
 
 
-def test_replica_waits_when_too_stale(hf_engine, adapters, proxy_url, tmp_path):
-    """The replica learns the trainer's version from the POST replies and stops producing dropped groups."""
-    bucket = str(tmp_path / "bucket")
-    sync.publish_adapter(bucket, adapters[0], 0)
-    client = proxy.ProxyClient(proxy_url)
-    replica = rollout.Replica(replica_args(bucket, proxy_url, "--num-generations", "2", "--max-new-tokens", "4"),
-                              hf_engine, sync.open_bucket(bucket), client, str(tmp_path / "cache"))
-    assert replica.batch()["trainer_version"] == 0
-    client.set_version(5)  # the trainer moved on while v1..v4 were never seen by this replica
-    s = replica.batch()  # v0 groups: stale on arrival; the reply tells the replica the trainer's version
-    assert (s["version"], s["trainer_version"], s["stale"]) == (0, 5, 2)
-    received = client.stats()["received"]
-    assert replica.batch() is None and client.stats()["received"] == received  # waits, sends nothing
-    sync.publish_adapter(bucket, adapters[1], 1)  # v1 is within 4 of trainer v5
-    s = replica.batch()
-    assert (s["version"], s["accepted"], s["stale"]) == (1, 2, 0)
+def test_replica_follows_the_proxys_quota(hf_engine, adapters, tmp_path):
+    """max_staleness 0: one batch per version; the replica waits (sends nothing) until the trainer moves,
+    then loads the announced adapter and makes the next batch with it. The proxy's view is its only guide."""
+    server, _ = proxy.serve(port=0, max_staleness=0, num_generations=2, groups_per_step=2, max_new_tokens=4)
+    url, bucket = f"http://127.0.0.1:{server.server_address[1]}", str(tmp_path / "bucket")
+    try:
+        sync.publish_adapter(bucket, adapters[0], 0)
+        client = proxy.ProxyClient(url)
+        replica = rollout.Replica(replica_args(bucket, url), hf_engine, sync.open_bucket(bucket), client,
+                                  sync.AdapterCache(str(tmp_path / "cache")))
+        replica.refresh()
+        client.set_version(0)
+        assert replica.step() and client.stats()["accepted"] == 2  # the whole step's batch
+        t0 = time.time()
+        replica.args.poll_interval = 0.1
+        threading.Timer(1.0, lambda: (client.get_batch(2, timeout=5), sync.publish_adapter(bucket, adapters[1], 1),
+                                      client.set_version(1))).start()
+        assert replica.step() and client.stats()["accepted"] == 2  # waited in the long poll, made nothing
+        assert time.time() - t0 >= 0.9 and replica.trainer_version == 1
+        assert replica.step() and replica.version == 1  # loaded the announced adapter, then made v1's batch
+        s = client.stats()
+        assert (s["accepted"], s["dropped_stale"], s["workers"]["replica-0"]["accepted"]) == (4, 0, 4)
+        client.done()
+        assert replica.step() is False  # the trainer is done: the replica stops
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def run_cli(*args, env=None, timeout=240):
@@ -193,25 +214,25 @@ def test_cli_pushes_groups_to_the_proxy(tiny_model, adapters, proxy_url, tmp_pat
     """The replica starts before the trainer: it waits for v0, then pushes 2 batches and stops."""
     bucket = str(tmp_path / "bucket")
     cmd = [sys.executable, os.path.join(ROOT, "rollout.py"), "--model", tiny_model, "--bucket", bucket,
-           "--proxy", proxy_url, "--task", "toy", "--engine", "hf", "--num-generations", "4", "--prompts-per-batch",
-           "3", "--max-new-tokens", "8", "--max-batches", "2", "--poll-interval", "0.2"]
+           "--proxy", proxy_url, "--task", "toy", "--engine", "hf", "--max-batches", "2", "--poll-interval", "0.2"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     first = p.stdout.readline()
     assert "waiting for adapter v0" in first, first + p.stderr.read()
-    sync.publish_adapter(bucket, adapters[0], 0)  # the trainer's first publish
+    sync.publish_adapter(bucket, adapters[0], 0)  # the trainer's first publish, then its announcement
+    proxy.ProxyClient(proxy_url).set_version(0)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-2000:]
     print(first + out)
     assert "engine: hf (asked for with --engine)" in out
     assert "adapter v0 loaded" in out and out.count("] batch ") == 2
     stats = proxy.ProxyClient(proxy_url).stats()
-    assert stats["accepted"] == 6 and stats["rejected"] == 0 and "replica-0" in stats["workers"]
+    assert stats["accepted"] == 6 and stats["rejected"] == 0 and "replica-0" in stats["workers"]  # 2 x 3
     groups = proxy.ProxyClient(proxy_url).get_batch(10, timeout=5)["groups"]
     assert len(groups) == 6 and len({g["group_id"] for g in groups}) == 6
     from transformers import AutoTokenizer
 
     for g in groups:
-        check_group(g, 0, AutoTokenizer.from_pretrained(tiny_model), max_new_tokens=8, n=4)
+        check_group(g, 0, AutoTokenizer.from_pretrained(tiny_model))
 
 
 def test_cli_eval(tiny_model, adapters, hf_engine, tmp_path):
@@ -260,3 +281,103 @@ def test_cli_errors_are_one_line(tiny_model, tmp_path, s3_server):
         server.shutdown()
         server.server_close()
     assert "--bucket" in run_cli("--model", tiny_model, "--proxy", dead).stderr  # argparse's own one line
+
+
+def arith_prompts(tokenizer, k):
+    """k arith prompt id lists, of at least 2 different lengths (left padding in every batch)."""
+    prompts = [rollout.chat_prompt(tokenizer, it["question"])[1] for it in rollout.load_task("arith", "train")[:k]]
+    assert len({len(p) for p in prompts}) > 1
+    return prompts
+
+
+def test_hf_shared_prefill_samples_as_num_return_sequences(tiny_model, adapters, reference):
+    """Each prompt is prefilled once and its cache repeated G times: the same samples, seed for seed,
+    as transformers' num_return_sequences (which copies each prompt G times before the forward), and
+    the sampler's log-probs are those of transformers + peft on the same ids."""
+    engine = rollout.HFEngine(tiny_model, seed=0)
+    engine.load_adapter(1, adapters[1])
+    prompts = arith_prompts(engine.tokenizer, 5)
+    torch.manual_seed(3)
+    groups = engine.generate(prompts, 6, 12, TEMPERATURE)
+    ids, mask = engine._left_pad(prompts)  # (5, W) the same batch, for the reference
+    torch.manual_seed(3)
+    with torch.no_grad():
+        plain = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE,
+                                      max_new_tokens=12, num_return_sequences=6, eos_token_id=engine.eos_ids,
+                                      pad_token_id=engine.pad_id, **engine.SAMPLING)[:, ids.shape[1]:]  # (30, 12)
+    assert [s.ids for g in groups for s in g] == [engine._cut(row)[0] for row in plain.tolist()]
+    assert len({tuple(s.ids) for g in groups for s in g}) > 20  # really sampled
+    d = max((torch.tensor(s.logprobs) - reference(1, p, s.ids)).abs().max().item() for p, g in zip(prompts, groups)
+            for s in g)
+    print(f"\nhf shared prefill: max |logprob - transformers+peft| {d:.2e}")
+    assert d < 1e-4
+
+
+def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
+    """On-policy, the trainer's ratio exp(logp_trainer - logp_sampler) is 1 on every completion token:
+    the sampler is rollout.py's hf engine at T = 0.7 on prompts of different lengths, with an adapter
+    the trainer saved (nonzero B); the trainer's numbers come from trainer.py's own batch functions
+    (flatten_groups, make_microbatches, collate, completion_logprobs), several micro-batches."""
+    import trainer
+
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen) * 0.1  # a trained-looking adapter, not the v0 no-op
+    model.save_pretrained(str(tmp_path / "adapter"))
+    engine = rollout.HFEngine(tiny_model, seed=0)
+    engine.load_adapter(1, str(tmp_path / "adapter"))
+    prompts = arith_prompts(engine.tokenizer, 6)
+    samples = engine.generate(prompts, 4, 12, 0.7)
+    groups = [{"group_id": f"g{k}", "worker": "replica-0", "policy_version": 1, "prompt_ids": p,
+               "completions": [{"ids": s.ids, "logprobs": s.logprobs, "reward": float(j % 2)} for j, s in enumerate(g)]}
+              for k, (p, g) in enumerate(zip(prompts, samples))]
+    seqs = trainer.flatten_groups(groups, 4, 12)
+    microbatches = trainer.make_microbatches(seqs, 150)
+    assert len(microbatches) > 1 and sorted(i for mb in microbatches for i in mb) == list(range(len(seqs)))
+    worst, worst_base, tokens = 0.0, 0.0, 0
+    with torch.no_grad():
+        for idx in microbatches:
+            mb = trainer.collate(seqs, idx, torch.zeros(len(seqs)), "cpu")
+            on = mb["mask"].bool()  # (n, C) the completion tokens
+            ratio = torch.exp(trainer.completion_logprobs(model, mb, 0.7) - mb["old_logprobs"])[on]  # (tokens,)
+            worst, tokens = max(worst, (ratio - 1).abs().max().item()), tokens + int(on.sum())
+            with model.disable_adapter():  # the base model: a policy the sampler did not use
+                base = torch.exp(trainer.completion_logprobs(model, mb, 0.7) - mb["old_logprobs"])[on]
+            worst_base = max(worst_base, (base - 1).abs().max().item())
+    print(f"\non-policy ratio, hf engine vs trainer at T=0.7: max |ratio - 1| {worst:.2e} over {tokens} tokens "
+          f"(base model instead: {worst_base:.2e})")
+    assert tokens == sum(len(s.ids) for g in samples for s in g)  # every completion token was compared
+    assert worst < 1e-4
+    assert worst_base > 1e-2  # the adapter is in effect on both sides
+
+
+def run_base_eval(tiny_model, cache, capsys, *extra):
+    """rollout.py --eval --adapter base in this process. Returns (its printed lines, the --eval-out JSON)."""
+    out = os.path.join(cache, "..", "eval.json")
+    rollout.run_eval(rollout.parse_args(["--eval", "--model", tiny_model, "--engine", "hf", "--task", "arith",
+                                         "--limit", "3", "--max-new-tokens", "6", "--eval-cache", cache,
+                                         "--eval-out", out, *extra]))
+    with open(out) as f:
+        return capsys.readouterr().out.splitlines(), json.load(f)
+
+
+def test_eval_base_accuracy_is_cached(tiny_model, tmp_path, capsys):
+    """The base model's accuracy is computed once per (model files, task, limit, max new tokens, engine):
+    the second run reads it back (no model loaded) and says so; any other setting computes again."""
+    cache = str(tmp_path / "cache")
+    lines, first = run_base_eval(tiny_model, cache, capsys)
+    assert "engine: hf" in lines[0] and "(cached)" not in lines[-1] and len(os.listdir(cache)) == 1
+    lines, again = run_base_eval(tiny_model, cache, capsys)
+    assert len(lines) == 1 and lines[0].endswith("(cached)")  # no engine line: no model was loaded
+    assert lines[0].split(" in ")[0] == f"eval arith adapter=base hf: accuracy {first['accuracy']:.3f} ({first['correct']}/3)"
+    assert {k: v for k, v in again.items() if k not in ("seconds", "cached")} == \
+        {k: v for k, v in first.items() if k != "seconds"}
+    lines, longer = run_base_eval(tiny_model, cache, capsys, "--max-new-tokens", "7")
+    assert "(cached)" not in lines[-1] and longer["max_new_tokens"] == 7 and len(os.listdir(cache)) == 2
+    lines, _ = run_base_eval(tiny_model, cache, capsys, "--no-eval-cache")
+    assert "engine: hf" in lines[0] and "(cached)" not in lines[-1]
+    os.utime(os.path.join(tiny_model, "config.json"))  # the model folder changed: another model
+    lines, _ = run_base_eval(tiny_model, cache, capsys)
+    assert "(cached)" not in lines[-1] and len(os.listdir(cache)) == 3

@@ -389,3 +389,180 @@ def test_wrong_credentials(monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+# ----------------------------------------------------------------------------- a broken or hostile bucket (issue 14)
+
+def test_metrics_a_redone_step_replaces_its_record(bucket_url):
+    for step in (1, 2, 3):
+        sync.append_metrics(bucket_url, {"step": step, "loss": step / 10})
+    sync.append_metrics(bucket_url, {"step": 2, "loss": 0.25})  # the trainer resumed from step 1 and redid step 2
+    want = [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": 0.3}]
+    assert sync.read_metrics(bucket_url) == want
+    r = run_cli("metrics", bucket_url)
+    assert r.returncode == 0 and [json.loads(line) for line in r.stdout.splitlines()] == want, r.stderr
+
+
+def test_metrics_survive_a_read_that_misses_the_history(bucket_url):
+    """The history is invisible while step 4 is recorded (a mount not caught up, S3 answering
+    NoSuchKey); once it shows again every step is there: nothing was rewritten from the bad read."""
+    b = sync.open_bucket(bucket_url)
+    for step in (1, 2, 3):
+        sync.append_metrics(b, {"step": step})
+    hidden = {k: b.read(k) for k in b.list()}
+    for k in hidden:
+        b.delete(k)
+    sync.append_metrics(b, {"step": 4})
+    for k, data in hidden.items():  # the old objects show again; what was written meanwhile is newer and stays
+        if b.read(k) is None:
+            b.write(k, data)
+    assert [r["step"] for r in sync.read_metrics(b)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("value", [b'{"version": Infinity}', b'{"version": NaN}', b'{"version": -1}',
+                                   b'{"version": "3"}', b'{"version": true}', b'{"version": 2.5}', b"[3]"])
+def test_a_corrupt_latest_is_a_clear_error(tmp_path, value):
+    b = sync.open_bucket(str(tmp_path / "bucket"))
+    b.write("adapters/LATEST", value)
+    with pytest.raises(sync.BucketError, match=r"adapters/LATEST holds .*not \{\"version\": N\}.*delete it"):
+        sync.latest_version(b)
+    b.write("adapters/LATEST", b'{"version": 1')  # torn on a mount: as if not written yet
+    assert sync.latest_version(b) is None
+
+
+@pytest.mark.parametrize("value", [b'{"id": "../../outside"}', b'{"id": "a\\u0000b"}', b'{"id": ""}',
+                                   b'{"id": 7}', b'{"id": "20250101-000000-0a1b', b'["x"]', b"{}"])
+def test_the_trainer_state_id_is_checked(tmp_path, value):
+    """trainer/STATE names the folder the trainer loads its state from: one naming a folder outside
+    trainer/ (here a complete planted state at bucket/trainer/../../outside), or torn, is one clear error."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "state.pt").write_bytes(b"planted")
+    entry = {"sha256": hashlib.sha256(b"planted").hexdigest(), "bytes": 7}
+    (outside / "manifest.json").write_text(json.dumps({"files": {"state.pt": entry}}))
+    b = sync.open_bucket(str(tmp_path / "bucket"))
+    b.write("trainer/STATE", value)
+    with pytest.raises(sync.BucketError, match=r"trainer/STATE holds .*delete it to start training afresh"):
+        sync.load_trainer_state(b, str(tmp_path / "loaded"), timeout=0.5)
+    assert not (tmp_path / "loaded").exists()
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "../../outside", "/etc/passwd", "sub/../x", ".hidden", ""])
+def test_unsafe_names_in_a_manifest_are_refused(bucket_url, tmp_path, name):
+    make_adapter(tmp_path / "a")
+    manifest = sync.publish_adapter(bucket_url, str(tmp_path / "a"), 0)
+    manifest["files"][name] = {"sha256": "0" * 64, "bytes": 1}
+    b = sync.open_bucket(bucket_url)
+    b.write("adapters/v000000/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(sync.BucketError, match=r"adapters/v000000/manifest.json: .* is not a safe file name"):
+        sync.pull_adapter(b, 0, str(tmp_path / "pulled"), timeout=0.5)
+
+
+def test_publish_refuses_an_unsafe_local_name_and_skips_hidden_files(tmp_path):
+    make_adapter(tmp_path / "a")
+    (tmp_path / "a" / ".DS_Store").write_bytes(b"x")
+    assert ".DS_Store" not in sync.publish_adapter(str(tmp_path / "b"), str(tmp_path / "a"), 0)["files"]
+    (tmp_path / "a" / "my notes.txt").write_bytes(b"x")
+    with pytest.raises(sync.BucketError, match="'my notes.txt' is not a safe file name"):
+        sync.publish_adapter(str(tmp_path / "b"), str(tmp_path / "a"), 1)
+
+
+def test_a_directory_bucket_follows_no_symlink(tmp_path):
+    """A symlink planted in a directory bucket leads neither a reader nor a writer outside it."""
+    outside, root = tmp_path / "outside", tmp_path / "bucket"
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(str(outside), str(tmp_path / "a"), 1)  # a complete v1, outside the bucket
+    b = sync.open_bucket(str(root))
+    b.write("adapters/LATEST", b'{"version": 1}')
+    os.symlink(outside / "adapters" / "v000001", root / "adapters" / "v000001")
+    with pytest.raises(sync.BucketError, match="goes through the symlink 'v000001'"):
+        sync.pull_adapter(b, 1, str(tmp_path / "pulled"), timeout=0.5)
+    os.remove(root / "adapters" / "LATEST")
+    os.symlink(outside / "adapters" / "LATEST", root / "adapters" / "LATEST")
+    with pytest.raises(sync.BucketError, match="symlink 'LATEST'"):
+        sync.latest_version(b)
+    before = read_folder(outside, skip=())
+    os.symlink(outside, root / "trainer")  # the writer's turn: folders that lead outside
+    os.symlink(outside, root / "metrics")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.pt").write_bytes(b"x")
+    with pytest.raises(sync.BucketError, match="symlink 'trainer'"):
+        sync.save_trainer_state(b, str(tmp_path / "state"))
+    with pytest.raises(sync.BucketError, match="symlink 'metrics'"):
+        sync.append_metrics(b, {"step": 1})
+    assert read_folder(outside, skip=()) == before, "something was written outside the bucket"
+
+
+def test_no_temp_file_outlives_a_write(tmp_path):
+    """A write that fails leaves no temp file; one a kill left behind is pruned with its version or state."""
+    root = tmp_path / "bucket"
+    b = sync.open_bucket(str(root))
+    (root / "adapters" / "LATEST").mkdir(parents=True)  # a folder where the file goes: the rename fails
+    with pytest.raises(sync.BucketError, match="cannot write"):
+        b.write("adapters/LATEST", b'{"version": 0}')
+    assert os.listdir(root / "adapters") == ["LATEST"]
+    os.rmdir(root / "adapters" / "LATEST")
+    make_adapter(tmp_path / "a")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "state.pt").write_bytes(b"x")
+    sync.publish_adapter(b, str(tmp_path / "a"), 0)
+    (root / "adapters" / "v000000" / ".adapter_model.safetensors.1a2b3c4d.tmp").write_bytes(b"half")  # a kill's
+    (root / "trainer" / "20250101-000000-0a1b2c3d").mkdir(parents=True)  # a killed save's first file
+    (root / "trainer" / "20250101-000000-0a1b2c3d" / ".state.pt.1a2b3c4d.tmp").write_bytes(b"half")
+    sync.publish_adapter(b, str(tmp_path / "a"), 1, keep=1)
+    sync.save_trainer_state(b, str(tmp_path / "s"))
+    assert sorted(os.listdir(root / "adapters")) == ["LATEST", "v000001"]
+    assert [p.name for p in root.rglob("*.tmp")] == []
+
+
+def test_adapter_cache_deletes_only_what_it_pulled(tmp_path):
+    """rollout.py --cache-dir ~/.cache: what else lives there, and a version another replica pulled, stays."""
+    bucket, cache_dir = str(tmp_path / "bucket"), tmp_path / "cache"
+    for v in range(3):
+        make_adapter(tmp_path / f"a{v}")
+        sync.publish_adapter(bucket, str(tmp_path / f"a{v}"), v)
+    (cache_dir / "models").mkdir(parents=True)
+    (cache_dir / "models" / "weights.bin").write_bytes(b"keep me")
+    other = sync.pull_adapter(bucket, 0, str(cache_dir))  # another replica pulled v0 there
+    cache = sync.AdapterCache(str(cache_dir))
+    assert cache.pull(bucket, 0) == other and os.fspath(cache) == str(cache_dir)
+    for v in (1, 2):
+        cache.keep_only(cache.pull(bucket, v))
+    cache.close()
+    assert sorted(os.listdir(cache_dir)) == ["models", "v000000", "v000002"]
+    assert (cache_dir / "models" / "weights.bin").read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("ending", ["exit", "SIGTERM"])
+def test_adapter_cache_temp_folder_is_removed_when_the_process_ends(tmp_path, ending):
+    bucket, tmp = str(tmp_path / "bucket"), tmp_path / "tmp"
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(bucket, str(tmp_path / "a"), 0)
+    tmp.mkdir()
+    code = ("import sys, time, sync; cache = sync.AdapterCache(prefix='rollout-0-'); "
+            "print(cache.pull(sys.argv[1], 0), flush=True); sys.argv[2] == 'SIGTERM' and time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, bucket, ending], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    path = proc.stdout.readline().strip()
+    assert path.startswith(str(tmp / "rollout-0-")) and os.path.isfile(os.path.join(path, "adapter_config.json"))
+    if ending == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == (128 + signal.SIGTERM if ending == "SIGTERM" else 0)
+    assert os.listdir(tmp) == []
+
+
+def test_a_bad_adapter_is_reported_on_stderr_and_not_waited_for_twice(tmp_path, capfd):
+    """LATEST names a version whose weights do not match its manifest (bad, not late): the wait says
+    so on stderr, and the cache's next look at that version fails at once instead of waiting again."""
+    root = str(tmp_path / "bucket")
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(root, str(tmp_path / "a"), 0)
+    _put(root, "adapters/v000000/adapter_model.safetensors", b"garbage")
+    cache = sync.AdapterCache(str(tmp_path / "cache"))
+    with pytest.raises(sync.BucketError, match="adapter_model.safetensors has 7 bytes not matching"):
+        cache.pull(root, 0, timeout=0.5)
+    assert (f"sync.py: {root}: waiting for adapter v000000: adapters/v000000/adapter_model.safetensors has 7 "
+            "bytes not matching") in capfd.readouterr().err
+    with pytest.raises(sync.BucketError, match="not matching"):
+        cache.pull(root, 0, timeout=60)  # one look, no second wait
+    assert "waiting for" not in capfd.readouterr().err

@@ -1,4 +1,4 @@
-"""trainer.py: micro-batching, resume state, the guard, and whole runs over real processes.
+"""trainer.py: micro-batching, resume state, and whole runs over real processes.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q
 
@@ -10,8 +10,8 @@
 3. SIGKILL the trainer mid-run and start it again with the same command: it says it resumed,
    step and version continue from the saved state, and no version number is published twice.
    Below it: saved state round-trips exactly, and the version-numbering rule.
-4. The guard: the pure function, and a real replica that reads another bucket (the trainer warns,
-   then stops with a clear error). Also: a wrong token / a missing S3 bucket is one clear line.
+4. A real replica that reads another bucket: it says so, and the trainer stops with a clear error
+   naming the bucket. Also: a wrong token / a missing S3 bucket is one clear line.
 """
 
 import importlib.util
@@ -37,9 +37,9 @@ G = 4
 TOKEN = "test-token"
 # The toy task on the tiny model: reward ~0.05 at start; at lr 1e-3 it nears 1.0 in ~25 steps with
 # one replica (at 3e-3 it is solved by step ~20 and every group then has equal rewards).
-TRAIN_ARGS = ["--num-generations", "8", "--groups-per-step", "4", "--learning-rate", "1e-3", "--lora-r", "8",
-              "--lora-alpha", "16", "--max-staleness", "2", "--max-completion-length", "6",
-              "--micro-batch-tokens", "256", "--seed", "0"]
+CONTRACT = dict(num_generations=8, groups_per_step=4, max_staleness=2, max_new_tokens=6)  # the proxy's settings
+TRAIN_ARGS = ["--learning-rate", "1e-3", "--lora-r", "8", "--lora-alpha", "16", "--micro-batch-tokens", "256",
+              "--seed", "0"]
 
 
 def fake_groups(model, n_groups, seed):
@@ -129,7 +129,7 @@ def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_pat
     fresh = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=5)
     fresh_opt = torch.optim.AdamW(trainer.lora_parameters(fresh), lr=1e-2, weight_decay=0.0)
     d = trainer.sync.load_trainer_state(bucket, str(tmp_path / "state"))
-    state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+    state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
     assert (state["step"], state["version"]) == (2, 1)
     trainer.restore_state(fresh, fresh_opt, d, state)
     for a, b in zip(params, trainer.lora_parameters(fresh)):
@@ -164,29 +164,6 @@ def step(version, newest, ratio=1.01, clip=0.01, stale=1.0):
             "clip_high_frac": 0.0, "staleness_mean": stale}
 
 
-def test_guard_flags_replicas_stuck_on_an_old_version():
-    healthy = [step(3, 2), step(4, 3), step(5, 4)]
-    assert trainer.guard_check(healthy, max_staleness=4, starved=True) == []
-    slow = [step(3, 1), step(4, 2), step(5, 2)]  # behind, but moving
-    assert trainer.guard_check(slow, max_staleness=4, starved=True) == []
-    stuck = [step(2, 0), step(3, 0), step(4, 0)]
-    reasons = trainer.guard_check(stuck, max_staleness=4, starved=True)
-    assert len(reasons) == 1 and "stayed at 0" in reasons[0]
-    assert trainer.guard_check(stuck, max_staleness=4) == []  # not starving: a slow start, not a failure
-    assert trainer.guard_check(stuck[:2], max_staleness=4, starved=True) == []  # too few steps to tell
-    assert trainer.guard_check([step(0, 0), step(1, 0), step(2, 0)], 2, starved=True)  # 2 behind at staleness 2
-    assert not trainer.guard_check([step(0, 0), step(1, 0), step(2, 0)], 4, starved=True)  # legal lag
-    msg = trainer.guard_message(reasons, "/bucket")
-    assert msg.count("\n") > 5 and "WARNING" in msg and "--bucket /bucket" in msg and "loaded" in msg
-
-
-def test_guard_flags_a_ratio_of_exactly_one_on_stale_groups():
-    assert trainer.guard_check([step(5, 4, ratio=1.0, clip=0.0, stale=1.0)], 4)[0].startswith("ratio_mean")
-    assert trainer.guard_check([step(5, 5, ratio=1.0, clip=0.0, stale=0.0)], 4) == []  # on-policy: 1.0 is right
-    assert trainer.guard_check([step(5, 4, ratio=1.0, clip=0.02, stale=1.0)], 4) == []
-    assert trainer.guard_check([step(5, 4, ratio=0.9999, clip=0.0, stale=1.0)], 4) == []
-
-
 def test_starting_version_never_reuses_a_number():
     assert trainer.starting_version(None, None) == (0, True)  # a new run: publish v0
     assert trainer.starting_version(None, 7) == (8, True)  # a bucket used before, no state
@@ -201,7 +178,7 @@ def test_starting_version_never_reuses_a_number():
 
 @pytest.fixture
 def proxy_url():
-    server, _ = proxy.serve(port=0, max_staleness=2, token=TOKEN, num_generations=8, log_every=3600)
+    server, _ = proxy.serve(port=0, token=TOKEN, log_every=3600, **CONTRACT)
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -216,8 +193,7 @@ def start_replica(tiny_model, bucket, url, log_path):
     with open(log_path, "w") as log:
         return subprocess.Popen(
             [sys.executable, "rollout.py", "--engine", "hf", "--task", "toy", "--model", tiny_model,
-             "--bucket", bucket, "--proxy", url, "--num-generations", "8", "--prompts-per-batch", "4",
-             "--max-new-tokens", "6", "--max-staleness", "2", "--seed", "0"],
+             "--bucket", bucket, "--proxy", url, "--seed", "0"],
             cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -226,13 +202,14 @@ def cluster(tiny_model, tmp_path, proxy_url):
     """The in-process proxy, one hf-engine toy replica, and a directory bucket."""
     bucket, log_path = str(tmp_path / "bucket"), tmp_path / "replica.log"
     replica = start_replica(tiny_model, bucket, proxy_url, log_path)
-    c = SimpleNamespace(bucket=bucket, url=proxy_url, replica_log=log_path, tmp=tmp_path,
+    c = SimpleNamespace(bucket=bucket, url=proxy_url, replica_log=log_path, tmp=tmp_path, replica=replica,
                         cmd=lambda steps, *extra: [sys.executable, "trainer.py", "--model", tiny_model, "--bucket",
                                                    bucket, "--proxy", proxy_url, *TRAIN_ARGS, "--max-steps",
                                                    str(steps), *extra])
     yield c
     replica.kill()
     replica.wait()
+    c.replica_rc = replica.returncode
 
 
 def published(stdout):
@@ -249,15 +226,17 @@ def test_run_learns_the_toy_task(cluster, tiny_model):
     last = sum(m["reward_mean"] for m in recs[-5:]) / 5
     print(f"toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert first < 0.3 and last > first + 0.4, f"reward {first:.3f} -> {last:.3f}: no learning"
-    versions = published(r.stdout)  # a step whose groups all had equal rewards publishes nothing new
-    assert versions == list(range(len(versions))) and len(versions) >= 20
+    versions = published(r.stdout)
+    assert versions == list(range(25)), "one version per optimizer step"
     assert sync.latest_version(cluster.bucket) == versions[-1]
     used = set().union(*(m["policy_versions"] for m in recs))
     assert len(used) >= 5 and max(m["staleness_max"] for m in recs) >= 1, f"versions used: {sorted(used)}"
     loaded = {int(v) for v in re.findall(r"adapter v(\d+) loaded", cluster.replica_log.read_text())}
     assert len(loaded) >= 5, "the replica should have hot-loaded several published versions"
-    assert "WARNING" not in r.stderr, "the guard fired on a healthy run"
-    assert all(k in recs[-1] for k in ("loss", "ratio_mean", "clip_low_frac", "grad_norm", "wait_s", "tokens_per_s"))
+    assert all(k in recs[-1] for k in ("loss", "ratio_mean", "clip_low_frac", "grad_norm", "wait_s", "tokens_per_s",
+                                       "approx_kl", "clip_frac", "by_staleness"))
+    assert cluster.replica.wait(timeout=60) == 0, "the replica exits by itself once the trainer is done"
+    assert "the trainer is done" in cluster.replica_log.read_text()
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -320,8 +299,8 @@ def test_user_errors_are_one_clear_line(tiny_model, tmp_path, proxy_url, s3_serv
     assert "trainer.py: error:" in r.stderr and "does not exist" in r.stderr
 
 
-def test_guard_warns_when_the_replica_reads_another_bucket(tiny_model, tmp_path, proxy_url):
-    """The replica follows a bucket that only ever holds v0: the trainer warns, then gives up."""
+def test_a_replica_that_reads_another_bucket_is_diagnosed(tiny_model, tmp_path, proxy_url):
+    """The replica follows a bucket that only ever holds v0: it says so, the trainer starves on clear terms."""
     wrong, bucket = str(tmp_path / "wrong"), str(tmp_path / "bucket")
     model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
     model.save_pretrained(str(tmp_path / "v0"))
@@ -337,6 +316,7 @@ def test_guard_warns_when_the_replica_reads_another_bucket(tiny_model, tmp_path,
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     steps = re.findall(r"^step (\d+) v(\d+) ", r.stdout, re.M)
     assert [(int(s), int(v)) for s, v in steps] == [(1, 0), (2, 1), (3, 2)]  # v0 groups are usable up to v2
-    warning = r.stderr[r.stderr.index("WARNING"):]
-    assert "stayed at 0 for 3 steps" in warning and f"--bucket {bucket}" in warning and "loaded" in warning
-    assert r.stderr.strip().splitlines()[-1].startswith("trainer.py: error: no usable groups for")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainer.py: error: no groups for") and f"--bucket {bucket}" in last, last
+    log = (tmp_path / "replica.log").read_text()
+    assert f"{wrong} shows only v0" in log, log[-2000:]

@@ -1,0 +1,137 @@
+"""`bash jobs.sh` on emulated Hugging Face Jobs: every job runs, as jobs.sh writes it, as a local process.
+
+The `hf` first on PATH is tests/hf_jobs_emulator.py: huggingface_hub's real CLI, with the Hub's side
+of Jobs and Buckets answered on this machine (its docstring lists what is emulated and how). A job
+runs chrooted with its volumes at their mount points (`:ro` read-only), only its -e/-s/--secrets
+environment, `python3` but no `python` on PATH, and reaches an exposed port through the URL built
+from the job id (rewritten to a gateway address, where a server bound to 127.0.0.1 is unreachable).
+
+The first test checks the emulation itself; the second runs proxy + 1 replica + trainer on the tiny
+model through to the trainer's end, then waits for every job to end by itself. Needs root (mount and
+network namespaces); skipped elsewhere.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import sync
+from conftest import ROOT, jobs_sh
+
+EMULATOR = os.path.join(ROOT, "tests", "hf_jobs_emulator.py")
+
+
+@pytest.fixture
+def hf_jobs(tmp_path):
+    """Environment whose `hf` is the emulator (state in tmp_path/hub); kills what is left at the end."""
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "nsenter", "ip", "mount")):
+        pytest.skip("the Jobs emulator needs root and unshare, nsenter, ip and mount (namespaces)")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "hf").write_text(f'#!/bin/sh\nexec {sys.executable} {EMULATOR} "$@"\n')
+    (bindir / "hf").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_EMU_DIR=str(tmp_path / "hub"),
+               HF_TOKEN="hf_emulated_token")
+    yield env
+    subprocess.run([sys.executable, EMULATOR, "_teardown"], env=env, timeout=60)
+
+
+def hf(env, *args):
+    return subprocess.run(["hf", *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def job_id(res):
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next(line.split()[1] for line in res.stdout.splitlines() if line.strip().startswith("id:"))
+
+
+def wait_stage(env, jid, timeout=120):
+    """The job's stage once it is no longer RUNNING (from `hf jobs inspect --format json`)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        res = hf(env, "jobs", "inspect", "--format", "json", jid)
+        status = json.loads(res.stdout)[0]["status"]
+        if status["stage"] != "RUNNING":
+            return status["stage"]
+        time.sleep(0.5)
+    raise TimeoutError(f"job {jid} still RUNNING after {timeout}s")
+
+
+def job_log(env, jid):
+    return hf(env, "jobs", "logs", jid).stdout
+
+
+def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path):
+    env = hf_jobs
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "page.txt").write_text("served")
+    assert hf(env, "buckets", "create", "alice/b", "--private", "--exist-ok").returncode == 0
+    # a server on 0.0.0.0:8000 (exposed) and one on 127.0.0.1:8001 (exposed, but loopback only)
+    server = job_id(hf(env, "jobs", "run", "--detach", "--expose", "8000", "--expose", "8001", "-v", f"{code}:/code",
+                       "python:3.12-slim", "bash", "-c",
+                       "cd /code && (python3 -m http.server 8001 --bind 127.0.0.1 &) && "
+                       "exec python3 -m http.server 8000 --bind 0.0.0.0"))
+    probe = (
+        "import sys, time, urllib.request\n"
+        "for url in sys.argv[1:]:\n"
+        "    for attempt in range(10):\n"  # the server job may still be starting
+        "        try: print(url, urllib.request.urlopen(url + '/page.txt', timeout=5).read().decode()); break\n"
+        "        except OSError as e: time.sleep(0.5)\n"
+        "    else: print(url, 'unreachable')\n"
+        "import requests\n"  # the full image has the project's packages; python:* images only the stdlib
+    )
+    client = job_id(hf(env, "jobs", "run", "--detach", "--secrets", "HF_TOKEN", "-e", "GREETING=hi", "-v",
+                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "vllm/vllm-openai:v0.33.0", "bash", "-c",
+                       "command -v python || echo 'no python'; echo \"$GREETING $HF_TOKEN $JOB_ID\"; "
+                       "echo written > /bucket/out.txt; touch /code/x || echo 'code is read-only'; "
+                       f"python3 -c \"{probe}\" https://{server}--8000.hf.jobs https://{server}--8001.hf.jobs && "
+                       "python3 -m pip install -q 'peft==0.21.2' && echo 'pip: already there'"))
+    assert wait_stage(env, client) == "COMPLETED", job_log(env, client)
+    out = job_log(env, client)
+    assert "no python" in out and f"hi hf_emulated_token {client}" in out, out
+    assert "code is read-only" in out and "pip: already there" in out, out
+    assert "http://10.233.0.1:8000 served" in out and "http://10.233.0.1:8001 unreachable" in out, out
+    assert (tmp_path / "hub" / "buckets" / "alice" / "b" / "out.txt").read_text() == "written\n"
+    # the standard library only in a python:* image; :ro buckets refuse writes; a missing package fails pip
+    for image, volume, cmd in [("python:3.12-slim", [], "python3 -c 'import requests'"),
+                               ("vllm/vllm-openai:v0.33.0", ["-v", "hf://buckets/alice/b:/bucket:ro"], "touch /bucket/y"),
+                               ("vllm/vllm-openai:v0.33.0", [], "pip install -q no-such-package-xyz==1.0")]:
+        jid = job_id(hf(env, "jobs", "run", "--detach", *volume, image, "bash", "-c", cmd))
+        assert wait_stage(env, jid) == "ERROR", (cmd, job_log(env, jid))
+    assert hf(env, "jobs", "cancel", server).returncode == 0
+    assert wait_stage(env, server) == "CANCELED"
+
+
+def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
+    env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy", STEPS="6",
+               REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2", MAX_NEW_TOKENS="6", MAX_STALENESS="2",
+               LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="3", ENGINE="hf", TIMEOUT="15m")
+    res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt")) as f:
+        jobs = dict(line.split() for line in f)
+    assert list(jobs) == ["proxy", "rollout-0", "trainer"]
+
+    # every job must end by itself: the trainer after STEPS steps, then the replica and the proxy
+    stages, deadline = {}, time.time() + 600
+    while time.time() < deadline:
+        status = subprocess.run(jobs_sh("status"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        stages = {line.split()[0]: line.split()[2] for line in status.stdout.splitlines()}
+        if "RUNNING" not in stages.values():
+            break
+        time.sleep(2)
+    logs = {role: job_log(env, jid)[-3000:] for role, jid in jobs.items()}
+    assert stages == {"proxy": "COMPLETED", "rollout-0": "COMPLETED", "trainer": "COMPLETED"}, (stages, logs)
+
+    bucket = os.path.join(env["HF_EMU_DIR"], "buckets", "alice", "grpo", hf_run_name)
+    assert [m["step"] for m in sync.read_metrics(bucket)] == list(range(1, 7))
+    with open(os.path.join(bucket, "adapters", "LATEST")) as f:
+        assert json.load(f)["version"] >= 1
+    follow = subprocess.run(jobs_sh("logs", "trainer"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "step 6" in follow.stdout, follow.stdout[-2000:] + follow.stderr
