@@ -39,7 +39,7 @@ if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What i
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
   : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
   : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${MAX_NEW_TOKENS:=256}" "${LEARNING_RATE:=5e-5}"
-  : "${SAVE_EVERY:=10}" "${REPLICAS:=2}"
+  : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
   : "${IMAGE:=vllm/vllm-openai:v0.33.0}"   # the vLLM setup.sh pins (torch 2.13, as requirements.txt)
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
@@ -161,6 +161,7 @@ print(snapshot_download(sys.argv[1], etag_timeout=10))" "$MODEL" 2>"$RUN/model.l
   fi
 }
 
+new_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \n'; }
 save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; quiet if it is gone
   curl -sf --max-time 5 -H "Authorization: Bearer $PROXY_TOKEN" "$1/stats" -o "$RUN/stats.json.part" 2>/dev/null &&
     mv "$RUN/stats.json.part" "$RUN/stats.json" || true
@@ -169,8 +170,9 @@ save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; q
 run_local() {
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-  # One token for this run's proxy, replicas and trainer: nothing else on the machine can feed it.
-  export PROXY_TOKEN=${PROXY_TOKEN:-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')}
+  # This run's tokens: the trainer's (PROXY_TOKEN) and the replicas' (ROLLOUT_TOKEN: /rollouts,
+  # /quota, /config, /stats only). Nothing else on the machine can feed or drain this proxy.
+  export PROXY_TOKEN=${PROXY_TOKEN:-$(new_token)} ROLLOUT_TOKEN=${ROLLOUT_TOKEN:-$(new_token)}
   local PY=$ROOT/.venv/bin/python t0=$SECONDS url=http://127.0.0.1:$PROXY_PORT rc=0
   # Another run's proxy may already answer on this port; this run must not attach to it.
   curl -s -o /dev/null --max-time 3 "$url/healthz" || rc=$?
@@ -204,7 +206,7 @@ $(tail -5 "$RUN/proxy.log")"
   trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start trainer "$PY" "${ARGS[@]}"
   local trainer_pid=$LAST_PID i
   for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; start "rollout-$i" "$PY" "${ARGS[@]}"
+    rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; start "rollout-$i" env PROXY_TOKEN="$ROLLOUT_TOKEN" "$PY" "${ARGS[@]}"
   done
   local shown="" line
   while kill -0 "$trainer_pid" 2>/dev/null; do
@@ -350,7 +352,7 @@ done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
   follow the trainer:   bash jobs.sh logs trainer      (or: ${HF[*]} jobs logs -f $tid)
   all stages:           bash jobs.sh status
   stop everything:      bash jobs.sh stop
-  metrics:              $bucket_path/metrics.jsonl in the bucket (one JSON object per step)
+  metrics:              $bucket_path/metrics/ in the bucket (a JSON file per step: python sync.py metrics)
 EOF
 }
 

@@ -31,9 +31,7 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections import namedtuple
@@ -458,7 +456,7 @@ def run_replica(args):
     while first is None:
         time.sleep(args.poll_interval)
         first = sync.latest_version(bucket)
-    path = sync.pull_adapter(bucket, first, cache_dir)
+    path = cache_dir.pull(bucket, first)
     with open(os.path.join(path, sync.MANIFEST)) as f:
         base = json.load(f).get("base_model")  # the trainer's --model
     if base and base != args.model:  # the same model can live under two names: the load decides

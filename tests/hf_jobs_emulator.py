@@ -16,8 +16,9 @@ How a job runs (Linux, as root, with mount and network namespaces):
 2. Environment: only what -e/-s/--secrets give, plus JOB_ID, CPU_CORES, HOME, PATH and the test's
    thread and offline settings (PASS_ENV). PATH holds bash, the core utilities and `python3`, no
    `python`. `python3` is .venv's interpreter; in an image named python:* it runs with -S (standard
-   library only, like python:3.12-slim). `pip` is .venv's pip with PIP_NO_INDEX=1: a `pip install`
-   passes only when the packages are already installed, and changes nothing.
+   library only, like python:3.12-slim). `pip` is .venv's pip with no index and no configuration
+   (no find-links): a `pip install` passes only when the packages are already installed, and
+   changes nothing.
 3. Network: all jobs share one network namespace with a loopback interface that also holds
    GATEWAY_IP. An exposed port's URL, https://<id>--<port>.hf.jobs, is rewritten to
    http://GATEWAY_IP:<port> in the command and environment of the jobs submitted after it: the one
@@ -113,7 +114,8 @@ def image_bin(image):
             os.symlink(os.path.realpath(shutil.which(tool)), os.path.join(bindir + ".tmp", tool))
     flag = " -S" if kind == "python" else ""
     scripts = {"python3": f'#!/bin/bash\nexec {VENV_PYTHON}{flag} "$@"\n',
-               "pip": f'#!/bin/bash\nPIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 exec {VENV_PYTHON} -m pip "$@"\n'}
+               "pip": f'#!/bin/bash\nPIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 '
+                      f'exec {VENV_PYTHON} -m pip "$@"\n'}  # no index, no find-links: installs nothing
     for name, text in scripts.items():
         with open(os.path.join(bindir + ".tmp", name), "w") as f:
             f.write(text)

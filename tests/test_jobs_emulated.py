@@ -123,7 +123,7 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
     while time.time() < deadline:
         status = subprocess.run(jobs_sh("status"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         stages = {line.split()[0]: line.split()[2] for line in status.stdout.splitlines()}
-        if "RUNNING" not in stages.values():
+        if "RUNNING" not in stages.values() or "ERROR" in stages.values():
             break
         time.sleep(2)
     logs = {role: job_log(env, jid)[-3000:] for role, jid in jobs.items()}

@@ -174,7 +174,7 @@ def test_hf_jobs_dry_run_prints_the_gpu_experiment_and_runs_nothing(tmp_path, hf
                  "MAX_NEW_TOKENS   256", "GROUPS_PER_STEP  16", "MAX_STALENESS    4", "NUM_GENERATIONS  8"]:
         assert line in res.stdout, res.stdout
     printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
-    assert len(printed) == 4 and "--expose 8000" in printed[0]
+    assert len(printed) == 3 and "--expose 8000" in printed[0]  # proxy, 1 replica, trainer
     assert all("exec python3 " in p for p in printed)
 
 
@@ -183,7 +183,7 @@ def test_hf_jobs_s3_bucket_dry_run(tmp_path, hf_run_name):
     res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="s3://b/prefix", DRY_RUN="1")
     assert res.returncode == 0, res.stderr
     printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
-    assert len(printed) == 4 and all("hf://buckets" not in p for p in printed)
+    assert len(printed) == 3 and all("hf://buckets" not in p for p in printed)
     assert all("--secrets AWS_ACCESS_KEY_ID" in p for p in printed[1:])
     assert f"--bucket s3://b/prefix/{hf_run_name}" in printed[-1]
 

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 import sync
-from conftest import free_port
+from conftest import free_port, jobs_sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,14 +93,45 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
     assert last > first + 0.3 and last > 0.6
     versions = sorted(os.listdir(os.path.join(run, "bucket", "adapters")))
     with open(os.path.join(run, "bucket", "adapters", "LATEST")) as f:
-        assert json.load(f)["version"] >= 8  # one per step that changed the weights (SYNC_EVERY=1)
+        assert json.load(f)["version"] >= 8  # one per optimizer step that changed the weights
     assert len([v for v in versions if v.startswith("v")]) >= 3
     summary = open(os.path.join(run, "summary.md")).read()
     assert "greedy accuracy, final adapter" in summary and "reward per step" in summary
     for f in ["proxy.log", "trainer.log", "rollout-0.log", "eval-base.json", "eval-final.json", "stats.json"]:
         assert os.path.exists(os.path.join(run, f)), f
     assert "MAX_STALENESS" in res.stdout  # settings printed at start
+    with open(os.path.join(run, "stats.json")) as f:
+        assert json.load(f)["delivered"] > 0  # /stats, read with the run's token
+    # the run ended by itself: the trainer told the proxy, the replica and the proxy exited 0
+    assert "rollout-0 exited by itself (status 0)" in res.stdout and "proxy exited by itself (status 0)" in res.stdout
+    assert "still running" not in res.stdout, res.stdout[-3000:]
     assert left == []  # replica, trainer and proxy are all gone
+
+
+def test_local_run_refuses_a_port_another_proxy_answers_on(run_name):
+    """Another run's proxy on PROXY_PORT: this run must not attach to it (it would feed that run)."""
+    import http.server
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"ok": true}')
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    try:
+        res = subprocess.run(jobs_sh("--local"), cwd=ROOT, env=dict(os.environ, NAME=run_name, PROXY_PORT=str(port)),
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        other.shutdown()
+    assert res.returncode != 0 and f"already listens on 127.0.0.1:{port}" in res.stderr, res.stdout + res.stderr
+    assert not os.path.exists(os.path.join(ROOT, "runs", run_name))  # refused before anything started
 
 
 def test_local_run_ctrl_c_leaves_no_process(tiny_model, run_name):

@@ -85,7 +85,7 @@ def test_grpo_learns_toy_reward(tiny_model):
                 logprobs = token_logprobs(logits, comp[mb])  # (b, T)
                 loss, stats = policy_loss(logprobs, behaviour[mb], advantages[mb], mask[mb],
                                           loss_type="dapo", num_tokens=total_tokens)
-                (microbatch_weight("dapo", mask[mb], n, total_tokens) * loss).backward()
+                (microbatch_weight("dapo", mask[mb], n, 2) * loss).backward()
                 clipped += stats["clip_low_frac"] + stats["clip_high_frac"]
             opt.step()
 

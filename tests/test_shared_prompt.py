@@ -219,3 +219,13 @@ def test_microbatches_hold_whole_groups_and_count_each_prompt_once(seqs):
             assert cost <= budget or len(groups) == 1
     assert len(trainer.make_microbatches(seqs, 10**6)) == 1
     assert len(trainer.make_microbatches(seqs, 1)) == len(PROMPT_LENGTHS)
+
+
+def test_a_step_of_equal_reward_groups_forwards_nothing(lora_model, seqs):
+    equal = [dict(s, reward=1.0) for s in seqs]
+    advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in equal]), G)  # (B,) all 0
+    lora_model.zero_grad(set_to_none=True)
+    stats = trainer.compute_loss_and_backward(lora_model, equal, advantages, trainer.make_microbatches(equal, BUDGET))
+    assert stats["groups_forwarded"] == 0 and stats["loss"] == 0.0 and stats["finite"]
+    assert stats["ratio_mean"] is None and stats["ratio_max"] is None and stats["by_staleness"] == {}
+    assert all(p.grad is None for p in trainer.lora_parameters(lora_model))
