@@ -121,21 +121,11 @@ def lora_parameters(model):
 
 # ----------------------------------------------------------------------------- batch
 
-def check_group(g, num_generations):
-    """A group must hold G completions (the proxy has checked one log-prob per generated id)."""
-    n = len(g["completions"])
-    if n != num_generations:
-        raise TrainerError(f"group {g.get('group_id')} from worker {g.get('worker')} has {n} completions but "
-                           f"the trainer runs --num-generations {num_generations}: start rollout.py with "
-                           f"--num-generations {num_generations} (or change the trainer's)")
-
-
-def flatten_groups(groups, num_generations, max_completion_length):
+def flatten_groups(groups, max_completion_length):
     """Groups (proxy JSON) -> one record per completion, in group order. "group" is the group's index
     in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
     seqs = []
-    for k, g in enumerate(groups):
-        check_group(g, num_generations)
+    for k, g in enumerate(groups):  # the proxy checked each group: G completions, one log-prob per id
         for c in g["completions"]:
             cut = len(c["ids"]) > max_completion_length
             seqs.append({"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
@@ -145,11 +135,10 @@ def flatten_groups(groups, num_generations, max_completion_length):
 
 
 def by_group(seqs, idx):
-    """Sequence indices -> lists of them, one per group, in first-seen order (a record without
-    "group" is a group of its own)."""
+    """Sequence indices -> lists of them, one per group, in first-seen order."""
     groups = {}
     for i in idx:
-        groups.setdefault(seqs[i].get("group", ("row", i)), []).append(i)
+        groups.setdefault(seqs[i]["group"], []).append(i)
     return list(groups.values())
 
 
@@ -277,21 +266,19 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
         stale = torch.tensor([0 if version is None else version - seqs[i]["policy_version"] for i in idx])  # (n,)
         rows.append(torch.stack([stale.to(per_row["tokens"])] + [per_row[k] for k in STAT_COLUMNS], 1).cpu())  # (n, 5)
 
-    table = torch.cat(rows) if rows else torch.zeros(0, 5)  # (forwarded rows, 5)
-    stale, tokens, approx_kl, clipped, ratio_max = table.unbind(1)  # (rows,) each: staleness, STAT_COLUMNS
+    stale, tokens, approx_kl, clipped, ratio_max = (torch.cat(rows) if rows else torch.zeros(0, 5)).unbind(1)
 
-    def summary(sel):  # (rows,) bool -> masked means over the selected rows' tokens
+    def summary(sel):  # (rows,) bool -> token-weighted means over the selected rows
         n = tokens[sel].sum()
         return {"approx_kl": (approx_kl[sel].sum() / n.clamp(min=1)).item(),
                 "clip_frac": (clipped[sel].sum() / n.clamp(min=1)).item(), "tokens": int(n)}
 
-    n_all = float(tokens.sum())
-    out = {"ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0, **({"kl": 0.0} if beta else {})}
-    out.update({k: v / max(n_all, 1.0) if k != "loss" else v for k, v in sums.items()})  # None: nothing forwarded
-    out.update({k: v for k, v in summary(torch.ones_like(stale, dtype=torch.bool)).items() if k != "tokens"})
-    out["ratio_max"] = ratio_max.max().item() if len(table) else None
-    out["by_staleness"] = {str(int(s)): summary(stale == s) for s in stale.unique().tolist()}
-    out["groups_forwarded"] = forwarded
+    out = {"ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0, **({"kl": 0.0} if beta else {}),
+           **{k: v if k == "loss" else v / max(float(tokens.sum()), 1.0) for k, v in sums.items()},
+           **summary(stale >= 0), "ratio_max": ratio_max.max().item() if len(stale) else None,
+           "by_staleness": {str(int(s)): summary(stale == s) for s in stale.unique().tolist()},
+           "groups_forwarded": forwarded}
+    del out["tokens"]
     out["finite"] = grpo_loss.all_finite([torch.tensor(out["loss"])] + [p.grad for p in model.parameters()
                                                                          if p.requires_grad])
     return out
@@ -321,20 +308,17 @@ def gather_groups(client, n, wait_timeout, bucket_url):
 
 # ----------------------------------------------------------------------------- state
 
-def publish(model, bucket, version, keep, base_model, step):
+def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None):
+    """Publish the adapter as `version`; with `state`, also save the resume state (weights, optimizer, RNGs)."""
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         sync.publish_adapter(bucket, d, version, keep=keep, base_model=base_model, step=step)
-
-
-def save_state(model, optimizer, bucket, state):
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        state = dict(state, optimizer=optimizer.state_dict(), rng_python=random.getstate(),
-                     rng_torch=torch.get_rng_state(),
-                     rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-        torch.save(state, os.path.join(d, "state.pt"))
-        sync.save_trainer_state(bucket, d)
+        if state is not None:
+            torch.save(dict(state, optimizer=optimizer.state_dict(), rng_python=random.getstate(),
+                            rng_torch=torch.get_rng_state(),
+                            rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+                       os.path.join(d, "state.pt"))
+            sync.save_trainer_state(bucket, d)
 
 
 def restore_state(model, optimizer, state_dir, state):
@@ -421,13 +405,11 @@ def train(args):
     tmp.cleanup()
 
     def publish_and_save(version, save):
-        publish(model, bucket, version, keep, args.model, step)
+        state = {"step": step, "version": version, "published_step": step, "groups_consumed": groups_consumed,
+                 "args": vars(args)} if save else None
+        publish(model, bucket, version, keep, args.model, step, state, optimizer)
         client.set_version(version)  # after the files: a replica told of v finds it in the bucket
-        print(f"published v{version} at step {step}")
-        if save:
-            save_state(model, optimizer, bucket, {"step": step, "version": version, "published_step": step,
-                                                   "groups_consumed": groups_consumed, "args": vars(args)})
-            print(f"saved state at step {step} (version {version})")
+        print(f"published v{version} at step {step}" + (f"\nsaved state at step {step} (version {version})" if save else ""))
 
     if must_publish:  # v0 (the untrained LoRA), or the restored weights under a new number
         publish_and_save(version, save=True)
@@ -439,7 +421,7 @@ def train(args):
         groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url)
         groups_consumed += len(groups)
         t1 = time.time()
-        seqs = flatten_groups(groups, args.num_generations, args.max_completion_length)
+        seqs = flatten_groups(groups, args.max_completion_length)
         mbs = make_microbatches(seqs, args.micro_batch_tokens)
         rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
         advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (B,)

@@ -402,10 +402,8 @@ def bad_input(tiny_model, tmp_path_factory):
     bucket = str(root / "bucket")
     model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
     optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3)
-    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0)
-    trainer.save_state(model, optimizer, bucket, {"step": 0, "version": 0, "published_step": 0,
-                                                  "groups_consumed": 0,
-                                                  "args": {"model": tiny_model, "lora_r": 8}})
+    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {"step": 0, "version": 0, "published_step": 0,
+                    "groups_consumed": 0, "args": {"model": tiny_model, "lora_r": 8}}, optimizer)
     server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
     yield {"bucket": bucket, "url": f"http://127.0.0.1:{server.server_address[1]}", "server": server}
     server.shutdown()

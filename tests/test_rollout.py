@@ -333,7 +333,7 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
     groups = [{"group_id": f"g{k}", "worker": "replica-0", "policy_version": 1, "prompt_ids": p,
                "completions": [{"ids": s.ids, "logprobs": s.logprobs, "reward": float(j % 2)} for j, s in enumerate(g)]}
               for k, (p, g) in enumerate(zip(prompts, samples))]
-    seqs = trainer.flatten_groups(groups, 4, 12)
+    seqs = trainer.flatten_groups(groups, 12)
     microbatches = trainer.make_microbatches(seqs, 150)
     assert len(microbatches) > 1 and sorted(i for mb in microbatches for i in mb) == list(range(len(seqs)))
     worst, worst_base, tokens = 0.0, 0.0, 0

@@ -56,7 +56,7 @@ def make_groups(model, seed=0):
             comps.append({"ids": ids, "logprobs": [0.0] * len(ids), "reward": reward})
         groups.append({"prompt_ids": [rng.randrange(4, 100) for _ in range(P)], "completions": comps,
                        "policy_version": k % 3, "group_id": f"g{k}", "worker": "w"})
-    seqs = trainer.flatten_groups(groups, G, MAX_LEN)
+    seqs = trainer.flatten_groups(groups, MAX_LEN)
     with torch.no_grad():
         lp = plain_logprobs(model, seqs, list(range(len(seqs))), T)  # (B, C)
     gen = torch.Generator().manual_seed(seed)

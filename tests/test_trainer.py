@@ -59,7 +59,7 @@ def fake_groups(model, n_groups, seed):
                           "text": "", "finish_reason": "stop" if ci % 2 else "length"})
         groups.append({"group_id": f"g{gi}", "policy_version": 0, "worker": "w", "prompt": "",
                        "prompt_ids": prompt, "completions": comps})
-    seqs = trainer.flatten_groups(groups, G, 64)
+    seqs = trainer.flatten_groups(groups, 64)
     mb = trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
     with torch.no_grad():
         lp = trainer.completion_logprobs(model, mb)  # (B, C)
@@ -86,7 +86,7 @@ def lora_model(tiny_model):
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])  # bnpo: per micro-batch, as TRL (by design)
 def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
     model = lora_model
-    seqs = trainer.flatten_groups(fake_groups(model, 3, seed=7), G, 64)
+    seqs = trainer.flatten_groups(fake_groups(model, 3, seed=7), 64)
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
     advantages = trainer.grpo_loss.group_advantages(rewards, G)  # (B,)
     params = trainer.lora_parameters(model)
@@ -117,13 +117,13 @@ def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_pat
     model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
     params = trainer.lora_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
-    seqs = trainer.flatten_groups(fake_groups(model, 2, seed=3), G, 64)
+    seqs = trainer.flatten_groups(fake_groups(model, 2, seed=3), 64)
     adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
     for _ in range(2):
         opt.zero_grad()
         trainer.compute_loss_and_backward(model, seqs, adv, trainer.make_microbatches(seqs, 100))
         opt.step()
-    trainer.save_state(model, opt, bucket, {"step": 2, "version": 1})
+    trainer.publish(model, sync.open_bucket(bucket), 1, 4, tiny_model, 2, {"step": 2, "version": 1}, opt)
     want_next = (random.random(), torch.rand(3))
 
     fresh = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=5)
@@ -142,26 +142,18 @@ def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_pat
 
 
 def test_make_microbatches_respects_the_token_budget():
+    """Whole groups per micro-batch; each group's prompt counted once: k prompts + n completions, padded."""
     rng = random.Random(0)
-    seqs = [{"prompt_ids": [1] * rng.randint(1, 20), "ids": [1] * rng.randint(1, 30)} for _ in range(40)]
+    prompts = [[1] * rng.randint(1, 20) for _ in range(10)]
+    seqs = [{"prompt_ids": prompts[i // 4], "ids": [1] * rng.randint(1, 30), "group": i // 4} for i in range(40)]
     mbs = trainer.make_microbatches(seqs, 200)
-    assert sorted(i for m in mbs for i in m) == list(range(40))
+    assert sorted(i for m in mbs for i in m) == list(range(40)) and len(mbs) > 1
     for m in mbs:
-        cost = len(m) * (max(len(seqs[i]["prompt_ids"]) for i in m) + max(len(seqs[i]["ids"]) for i in m))
-        assert cost <= 200 or len(m) == 1
-    assert trainer.make_microbatches([{"prompt_ids": [1] * 50, "ids": [1] * 300}], 100) == [[0]]
-
-
-def test_wrong_number_of_completions_is_a_clear_error():
-    group = {"group_id": "x", "worker": "w", "policy_version": 0, "prompt_ids": [1],
-             "completions": [{"ids": [5], "logprobs": [-1.0], "reward": 1.0}] * 3}
-    with pytest.raises(trainer.TrainerError, match="start rollout.py with --num-generations 4"):
-        trainer.flatten_groups([group], 4, 16)
-
-
-def step(version, newest, ratio=1.01, clip=0.01, stale=1.0):
-    return {"version": version, "newest_policy": newest, "ratio_mean": ratio, "clip_low_frac": clip,
-            "clip_high_frac": 0.0, "staleness_mean": stale}
+        groups = {seqs[i]["group"] for i in m}
+        assert all(sum(seqs[i]["group"] == g for i in m) == 4 for g in groups), "a group was split"
+        cost = len(groups) * max(len(seqs[i]["prompt_ids"]) for i in m) + len(m) * max(len(seqs[i]["ids"]) for i in m)
+        assert cost <= 200 or len(groups) == 1
+    assert trainer.make_microbatches([{"prompt_ids": [1] * 50, "ids": [1] * 300, "group": 0}], 100) == [[0]]
 
 
 def test_starting_version_never_reuses_a_number():
