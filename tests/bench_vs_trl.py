@@ -28,7 +28,8 @@ accuracy of TRL's final adapter. It is measured at checkpoint granularity (--eva
 with one greedy evaluation each, so it is as noisy as the accuracy of --eval-limit problems.
 
 Writes into --out: trl.json and ours.json (each side's curve, checkpoints and accuracies; what
---skip-trl / --skip-ours reuse), result.json, race.png, and each process's log.
+--skip-trl / --skip-ours reuse), result.json, race.png, and each process's log. Run it on an
+otherwise idle machine: each side prints a warning when cores were busy as it started.
 """
 
 import argparse
@@ -55,6 +56,7 @@ from conftest import free_port  # noqa: E402
 TRL_VERSION = "1.16.0"
 SETTINGS = ("TASK", "GROUPS_PER_STEP", "NUM_GENERATIONS", "MAX_NEW_TOKENS", "TEMPERATURE", "LEARNING_RATE",
             "LORA_R", "LORA_ALPHA", "LOSS_TYPE", "BETA", "SEED")  # jobs.sh defaults TRL is given too
+OURS_ONLY = ("MAX_STALENESS", "ZERO_VARIANCE", "REPLICAS")  # printed, not required (keep = TRL's rule)
 SMOLLM2 = os.path.join(ROOT, "runs/models/smollm2-135m-instruct")
 
 
@@ -81,17 +83,17 @@ def log(msg):
 def jobs_defaults():
     """The settings `bash jobs.sh --local` runs with: bash evaluates jobs.sh's settings block (from
     its "# Settings" line to "RUN=...") in local mode, with none of them set in the environment."""
-    show = "; ".join(f'echo "{k}=${{{k}-}}"' for k in SETTINGS)
+    show = "; ".join(f'echo "{k}=${{{k}-}}"' for k in SETTINGS + OURS_ONLY)
     script = ('mode=local action=launch; die() { echo "$*" >&2; exit 1; }; '
               f'eval "$(sed -n "/^# Settings/,/^RUN=/p" jobs.sh)"; {show}')
-    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS + OURS_ONLY}
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     found = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     missing = [k for k in SETTINGS if not found.get(k)]
     if done.returncode != 0 or missing:
         sys.exit(f"bench_vs_trl.py: error: could not read jobs.sh's local defaults of {missing or list(SETTINGS)} "
                  f"({done.stderr.strip()[-300:]}): its settings block changed, update jobs_defaults()")
-    return {k: found[k] for k in SETTINGS}
+    return {k: found[k] for k in SETTINGS + OURS_ONLY if found.get(k)}
 
 
 def trl_pins():
@@ -225,22 +227,36 @@ lora = LoraConfig(r=int(s["LORA_R"]), lora_alpha=int(s["LORA_ALPHA"]), lora_drop
                   task_type="CAUSAL_LM")
 trainer = GRPOTrainer(model=cfg["model"], reward_funcs=number_reward, args=config, train_dataset=dataset,
                       processing_class=tokenizer, peft_config=lora, callbacks=[StepLog(cfg["steps_log"])])
+shown = ("generation_batch_size", "num_generations", "steps_per_generation", "max_completion_length", "temperature",
+         "learning_rate", "lr_scheduler_type", "optim", "loss_type", "beta", "epsilon", "scale_rewards", "bf16",
+         "gradient_checkpointing", "use_vllm")
+print("TRL config: " + " ".join(f"{k}={getattr(config, k)}" for k in shown), f"threads={torch.get_num_threads()}",
+      flush=True)
 trainer.train()
 StepLog(cfg["steps_log"]).write(event="train_end")
 trainer.save_model(os.path.join(cfg["out"], "final"))
 '''
 
 
-def check_idle(what):
-    """The 1-minute load average before a side starts: other work on the machine skews its timing
-    (TRL's 2 OpenMP threads most: a thread that loses its core stalls the other at every barrier)."""
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        log(f"warning: load average {load:.1f} before {what}: other processes are running, its timing will be off")
-    return round(load, 2)
+def check_idle(what, seconds=3.0):
+    """Cores busy over a few seconds before a side starts (/proc/stat). Other work on the machine
+    skews the timing, TRL's most: an OpenMP thread that loses its core stalls the other at every barrier."""
+    def snap():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return sum(ticks), ticks[3] + ticks[4]
+
+    try:
+        (t1, idle1), _, (t2, idle2) = snap(), time.sleep(seconds), snap()
+        busy = (os.cpu_count() or 1) * (1 - (idle2 - idle1) / max(t2 - t1, 1))
+    except OSError:  # no /proc (macOS): the 1-minute load average instead
+        busy = os.getloadavg()[0]
+    if busy > 0.3:
+        log(f"warning: {busy:.1f} cores busy before {what}: other processes are running, its timing will be off")
+    return round(busy, 2)
 
 
-def stream(cmd, log_path, env, echo=re.compile(r"^\s*step \d+|^== ")):
+def stream(cmd, log_path, env, echo=re.compile(r"^\s*step \d+|^== |^TRL config")):
     """Run cmd; every output line goes to log_path, lines matching `echo` to the screen too. Returns
     (exit code, [(unix time, line)])."""
     lines = []
@@ -269,7 +285,7 @@ def run_trl(a, settings, out):
     env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     log(f"TRL {TRL_VERSION} GRPOTrainer: {a.steps} steps, {a.trl_threads} threads (log: {work}/trl.log)")
-    load, t0 = check_idle("TRL's run"), time.time()
+    busy, t0 = check_idle("TRL's run"), time.time()
     rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"), env)
     if rc != 0:
         sys.exit(f"bench_vs_trl.py: error: TRL's training failed (exit {rc}), see {work}/trl.log")
@@ -286,7 +302,8 @@ def run_trl(a, settings, out):
                 shutil.copy(os.path.join(work, folder, name), d)
             sync.publish_adapter(bucket, d, step, keep=None, step=step)
     return {"system": f"TRL {TRL_VERSION} GRPOTrainer", "train_s": end - t0, "steps": a.steps, "curve": curve,
-            "load_before": load, "bucket": bucket, "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
+            "busy_cores_before": busy, "bucket": bucket,
+            "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
 
 
 def checkpoints(bucket, curve, every, steps):
@@ -351,14 +368,14 @@ def run_ours(a, settings, out):
     run_dir = os.path.join(ROOT, "runs", name)
     env = dict(os.environ, NAME=name, MODEL=a.model, STEPS=str(a.steps), EVAL_LIMIT=str(a.eval_limit),
                PROXY_PORT=str(free_port()))
-    for k in SETTINGS + ("BUCKET", "DATA", "REPLICAS", "MAX_STALENESS", "ZERO_VARIANCE", "ENGINE", "SAVE_EVERY",
-                         "TRAINER_ARGS", "ROLLOUT_ARGS", "PROXY_TOKEN"):  # jobs.sh's defaults, not the caller's
+    for k in SETTINGS + OURS_ONLY + ("BUCKET", "DATA", "ENGINE", "SAVE_EVERY", "TRAINER_ARGS", "ROLLOUT_ARGS",
+                                     "PROXY_TOKEN"):  # jobs.sh's defaults, not the caller's
         env.pop(k, None)
     bucket = os.path.join(work, "checkpoints")
     copier = AdapterCopier(os.path.join(run_dir, "bucket"), bucket, a.eval_every)
     copier.start()
     log(f"bash jobs.sh --local: NAME={name} STEPS={a.steps} (log: {work}/jobs.log)")
-    load = check_idle("our run")
+    busy = check_idle("our run")
     rc, lines = stream(["bash", "jobs.sh", "--local"], os.path.join(work, "jobs.log"), env)
     copier.stop.set()
     copier.join()
@@ -377,13 +394,14 @@ def run_ours(a, settings, out):
     t_end = next((t for t, line in lines if line.startswith("== final adapter")), None)
     train_s = float(found.group(1)) if found else t_end - t_start
     return {"system": "ours: bash jobs.sh --local", "train_s": train_s, "steps": a.steps, "curve": curve,
-            "load_before": load, "bucket": bucket, "run_dir": run_dir, "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
+            "busy_cores_before": busy, "bucket": bucket, "run_dir": run_dir,
+            "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(a, settings, bucket, adapter, out_json):
-    """rollout.py --eval exactly as jobs.sh runs it (one thread). Returns the accuracy."""
+    """rollout.py --eval exactly as jobs.sh runs it (one thread). Returns its JSON (accuracy, n, ...)."""
     cmd = [sys.executable, "rollout.py", "--eval", "--adapter", str(adapter), "--model", a.model, "--task",
            settings["TASK"], "--limit", str(a.eval_limit), "--max-new-tokens", settings["MAX_NEW_TOKENS"],
            "--eval-out", out_json] + (["--bucket", bucket] if bucket else [])
@@ -393,25 +411,29 @@ def evaluate(a, settings, bucket, adapter, out_json):
     if done.returncode != 0:
         sys.exit(f"bench_vs_trl.py: error: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     with open(out_json) as f:
-        return json.load(f)["accuracy"]
+        return json.load(f)
 
 
 def evaluate_all(a, settings, sides, out):
-    """Base model once, then every checkpoint of every side; two evaluations at a time (2 cores)."""
+    """Base model once, then every checkpoint of every side not yet scored on --eval-limit problems;
+    two evaluations at a time (2 cores). Returns the number of problems scored."""
     jobs = {("base", None): (None, "base", os.path.join(out, "eval-base.json"))}
     for key, side in sides.items():
         for c in side["checkpoints"]:
-            if "accuracy" not in c:
-                jobs[(key, c["version"])] = (side["bucket"], c["version"], os.path.join(out, key, f"eval-v{c['version']}.json"))
+            if "accuracy" not in c or side.get("eval_limit") != a.eval_limit:
+                v = c["version"]
+                jobs[(key, v)] = (side["bucket"], v, os.path.join(out, key, f"eval-v{v}.json"))
     log(f"scoring {len(jobs)} adapters with rollout.py --eval on {a.eval_limit} held-out problems")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        acc = dict(zip(jobs, pool.map(lambda j: evaluate(a, settings, *j), jobs.values())))
+        results = dict(zip(jobs, pool.map(lambda j: evaluate(a, settings, *j), jobs.values())))
     for key, side in sides.items():
-        side["base_accuracy"] = acc[("base", None)]
+        side["base_accuracy"], side["eval_limit"] = results[("base", None)]["accuracy"], a.eval_limit
         for c in side["checkpoints"]:
-            c.setdefault("accuracy", acc.get((key, c["version"])))
+            if (key, c["version"]) in results:
+                c["accuracy"] = results[(key, c["version"])]["accuracy"]
         with open(os.path.join(out, f"{key}.json"), "w") as f:
             json.dump(side, f, indent=1)
+    return results[("base", None)]["n"]
 
 
 # ----------------------------------------------------------------------------- the table and the picture
@@ -477,11 +499,11 @@ def plot(trl, ours, numbers, settings, path):
     top.set_ylabel("mean reward of the step's completions")
     top.set_title(f"GRPO on {settings['TASK']}: {settings['GROUPS_PER_STEP']} prompts x {settings['NUM_GENERATIONS']} "
                   f"completions per step, LoRA r{settings['LORA_R']}, same settings, this machine")
-    top.legend(loc="lower right")
+    top.legend(loc="best")
     top.grid(alpha=0.3)
     bottom.set_ylabel("held-out greedy accuracy (%)")
     bottom.set_xlabel("training wall-clock seconds (model loads included)")
-    bottom.legend(loc="lower right", fontsize=8)
+    bottom.legend(loc="best", fontsize=8)
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -504,7 +526,8 @@ def main(argv=None):
         ensure_model(a.model)
     elif not model_ready(a.model):
         sys.exit(f"bench_vs_trl.py: error: --model {a.model} is not a model folder (config.json, model.safetensors)")
-    log("settings of both sides (jobs.sh defaults): " + " ".join(f"{k}={v}" for k, v in settings.items()))
+    log("settings of both sides (jobs.sh defaults): " + " ".join(f"{k}={settings[k]}" for k in SETTINGS))
+    log("ours only: " + " ".join(f"{k}={settings[k]}" for k in OURS_ONLY if k in settings))
     sides = {}
     for key, flag, run in (("trl", "--skip-trl", run_trl), ("ours", "--skip-ours", run_ours)):
         if getattr(a, flag[2:].replace("-", "_")):
@@ -515,17 +538,17 @@ def main(argv=None):
             json.dump(sides[key], f, indent=1)
     if sides["trl"]["steps"] != sides["ours"]["steps"]:
         log(f"note: TRL ran {sides['trl']['steps']} steps, ours {sides['ours']['steps']}: not the same race")
-    evaluate_all(a, settings, sides, out)
+    n_problems = evaluate_all(a, settings, sides, out)
     text, numbers = table(sides["trl"], sides["ours"])
     plot(sides["trl"], sides["ours"], numbers, settings, os.path.join(out, "race.png"))
     with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump({"settings": settings, "steps": a.steps, "eval_limit": a.eval_limit, **numbers}, f, indent=1)
+        json.dump({"settings": settings, "steps": a.steps, "held_out_problems": n_problems, **numbers}, f, indent=1)
     print()
     print(text)
     print(f"\nTime to TRL's final accuracy: training seconds of the first checkpoint (every {a.eval_every} steps) "
-          f"whose greedy accuracy on {a.eval_limit} held-out problems (rollout.py --eval) reaches it.")
-    print(f"Load average before each side (0 = an idle machine): TRL {sides['trl'].get('load_before', '?')}, "
-          f"ours {sides['ours'].get('load_before', '?')}.")
+          f"whose greedy accuracy on {n_problems} held-out problems (rollout.py --eval) reaches it.")
+    print(f"Cores busy just before each side started (0 on an idle machine): TRL "
+          f"{sides['trl'].get('busy_cores_before', '?')}, ours {sides['ours'].get('busy_cores_before', '?')}.")
     print(f"Curves: {os.path.join(out, 'race.png')}; numbers: {os.path.join(out, 'result.json')}")
 
 
