@@ -82,27 +82,20 @@ def _check(ok, where, what):
         raise ApiError(f"{where}: {what}")
 
 
-def _finite(x):  # bool is not a number here; NaN fails both comparisons
-    return type(x) in (int, float) and -MAX_ABS < x < MAX_ABS
-
-
-def _index(x):  # a token id or a version
-    return type(x) is int and 0 <= x < MAX_INT
-
-
 # The JSON schema, one row per field: (test, what the value must be). Any other field is refused, so
 # that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
+INDEX = (lambda v: type(v) is int and 0 <= v < MAX_INT, f"an integer in [0, {MAX_INT})")  # a token id or a version
+FINITE = (lambda v: type(v) in (int, float) and -MAX_ABS < v < MAX_ABS, "a finite number")  # not a bool; NaN fails
 NAME = (lambda v: type(v) is str and 0 < len(v) <= MAX_NAME, f"a string of 1 to {MAX_NAME} characters")
 TEXT = (lambda v: type(v) is str, "a string")
-VERSION = (_index, f"an integer in [0, {MAX_INT})")
-TOKEN_IDS = (lambda v: type(v) is list and all(map(_index, v)), f"a list of token ids in [0, {MAX_INT})")
-GROUP = {"group_id": NAME, "policy_version": VERSION, "worker": NAME, "prompt": TEXT, "prompt_ids": TOKEN_IDS,
-         "temperature": (lambda v: _finite(v) and v > 0, "a number > 0"),
-         "max_new_tokens": (lambda v: _index(v) and v > 0, "an integer > 0"),
+TOKEN_IDS = (lambda v: type(v) is list and all(map(INDEX[0], v)), f"a list of token ids in [0, {MAX_INT})")
+GROUP = {"group_id": NAME, "policy_version": INDEX, "worker": NAME, "prompt": TEXT, "prompt_ids": TOKEN_IDS,
+         "temperature": (lambda v: FINITE[0](v) and v > 0, "a number > 0"),
+         "max_new_tokens": (lambda v: INDEX[0](v) and v > 0, "an integer > 0"),
          "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
                          f"a list of 1 to {MAX_COMPLETIONS} completions")}
 COMPLETION = {"ids": TOKEN_IDS, "logprobs": (lambda v: type(v) is list, "a list of numbers"),
-              "reward": (_finite, "a finite number"), "text": TEXT,
+              "reward": FINITE, "text": TEXT,
               "finish_reason": (lambda v: type(v) is str and 0 < len(v) <= 64, "a string of 1 to 64 characters")}
 
 
@@ -119,16 +112,15 @@ def check_fields(d, where, schema):
 def validate_group(g, contract, where="group"):
     """Raise ApiError naming the first bad field of one group, or a setting that differs from the run's."""
     check_fields(g, where, GROUP)
-    for key, flag in (("temperature", "--temperature"), ("max_new_tokens", "--max-new-tokens")):
-        if g[key] != contract[key]:  # a sampler at another temperature would bias every ratio
-            raise ApiError(f"{where}.{key}: {g[key]}, but this run samples with {key} {contract[key]} "
-                           f"(proxy.py {flag}): start rollout.py without {flag}, it takes the proxy's")
+    for key in ("temperature", "max_new_tokens"):  # a sampler at another temperature would bias every ratio
+        flag = "--" + key.replace("_", "-")
+        _check(g[key] == contract[key], f"{where}.{key}", f"{g[key]}, but this run samples with {key} "
+               f"{contract[key]} (proxy.py {flag}): start rollout.py without {flag}, it takes the proxy's")
     n, G = len(g["completions"]), contract["num_generations"]
     _check(n == G, f"{where}.completions", f"{n} completions, but this run has num_generations {G} "
            "(proxy.py --num-generations): start rollout.py without --num-generations")
     for j, c in enumerate(g["completions"]):
-        w = f"{where}.completions[{j}]"
-        check_fields(c, w, COMPLETION)
+        check_fields(c, w := f"{where}.completions[{j}]", COMPLETION)
         lps, ids = c["logprobs"], c["ids"]
         bad = next((i for i, x in enumerate(lps) if type(x) not in (int, float) or not MIN_LOGPROB <= x <= 0), None)
         if bad is not None:
@@ -158,11 +150,11 @@ def parse_json(body):
 def parse_query(query, spec):
     """The query string as {key: str}: spec's keys only, each once; spec's values are defaults (None: required)."""
     pairs = parse_qsl(query, keep_blank_values=True)  # http.server caps the request line at 64 KiB
-    q = dict(pairs)
-    _check(set(q) <= set(spec) and len(q) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
-    for key in (k for k, v in spec.items() if v is None and k not in q):
+    q = {**spec, **dict(pairs)}
+    _check(len(q) == len(spec) and len(dict(pairs)) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
+    for key in (k for k, v in q.items() if v is None):
         raise ApiError(f"{key}: missing")
-    return {**spec, **q}
+    return q
 
 
 def query_int(q, key, lo, hi):
@@ -171,13 +163,9 @@ def query_int(q, key, lo, hi):
     return int(v)
 
 
-def query_seconds(q):  # a long poll's timeout, cut to MAX_POLL_S
-    try:
-        t = float(q["timeout"])
-    except ValueError:
-        t = -1.0
-    _check(0 <= t < math.inf, "timeout", "must be a number of seconds >= 0")  # NaN fails too
-    return min(t, MAX_POLL_S)
+def query_seconds(q):  # a long poll's timeout: a plain decimal (no sign, NaN or inf), cut to MAX_POLL_S
+    _check(re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", q["timeout"], re.ASCII), "timeout", "must be seconds >= 0")
+    return min(float(q["timeout"]), MAX_POLL_S)
 
 
 def group_bytes(g):
@@ -193,24 +181,16 @@ def _varied(g):  # the rewards of a group differ: it carries a learning signal
 
 # ---- the run's contract and the buffer: all state and counters under one lock ----------------
 
-# The settings every role must share (TRL's names). proxy.py is started with them; rollout.py and
-# trainer.py read them from GET /config, so a run cannot disagree with itself.
-CONTRACT = {"num_generations": 8,     # completions per prompt, G
-            "groups_per_step": 16,    # groups the trainer takes per optimizer step, B
-            "max_staleness": 4,       # a group of version v is usable while trainer_version - v <= this
-            "temperature": 1.0,       # sampling temperature (the trainer divides its logits by it)
-            "max_new_tokens": 256,    # longest completion (the trainer's max_completion_length)
-            "zero_variance": "keep"}  # groups with equal rewards: "keep" (TRL) or "drop" (DAPO)
-
-
-def check_contract(c):
-    """Raise ConfigError for a contract that cannot work."""
-    ok = {"num_generations": c["num_generations"] >= 2, "groups_per_step": c["groups_per_step"] >= 1,
-          "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
-          "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop")}
-    for key in (k for k, v in ok.items() if not v):
-        raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, groups-per-step"
-                          " >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, zero-variance keep or drop")
+# The settings every role must share (TRL's names), and their defaults. proxy.py takes them as flags;
+# rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
+CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0, "max_new_tokens": 256,
+            "zero_variance": "keep"}
+CONTRACT_HELP = {"num_generations": "completions per prompt, G",
+                 "groups_per_step": "groups the trainer takes per optimizer step, B",
+                 "max_staleness": "a group of version v is usable while trainer_version - v <= this (0: synchronous)",
+                 "temperature": "sampling temperature (the trainer divides its logits by it)",
+                 "max_new_tokens": "longest completion (the trainer's max_completion_length)",
+                 "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop (DAPO)"}
 
 
 class RolloutBuffer:
@@ -218,31 +198,34 @@ class RolloutBuffer:
     replicas' leases. accepted = delivered + dropped_stale + dropped_zero_variance + buffered, always."""
 
     def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000, lease_timeout=120.0):
-        self.contract = dict(CONTRACT, **(contract or {}))
-        check_contract(self.contract)
+        c = self.contract = dict(CONTRACT, **(contract or {}))
+        works = {"num_generations": c["num_generations"] >= 2, "groups_per_step": c["groups_per_step"] >= 1,
+                 "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
+                 "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop")}
+        for key in (k for k, ok in works.items() if not ok):
+            raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, groups-per-step"
+                              " >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, zero-variance keep or drop")
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.cond = lease_timeout, threading.Condition()
         self.groups, self.nbytes = collections.deque(), 0  # nbytes: group_bytes() of the buffered groups
         self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
         self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance", "refused_full", "returned",
                                      "rejected", "refused_connections"], 0)
+        self.workers = {}  # worker name -> its own WORKER_COUNTS
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
         self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
         self.done, self.closed, self.started = False, False, time.time()
         self.leases = {}  # worker -> [groups still to come, expiry]: what /quota handed out (0: asking)
-        self.told_done = set()  # workers whose /quota was answered "done"
-        self.last_request = time.monotonic()
+        self.told_done, self.last_request = set(), time.monotonic()  # for main(): who heard "done", and when last
         self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
         self.staleness = collections.Counter()  # trainer_version - policy_version of delivered groups
-        self.workers = {}  # worker name -> its own WORKER_COUNTS
 
     def _usable(self, g):
         t = self.trainer_version
         return t is None or 0 <= t - g["policy_version"] <= self.contract["max_staleness"]
 
-    def _count(self, key, groups, sign=1):
-        """Add `groups` to the counter `key`, in total and for each group's worker."""
+    def _count(self, key, groups, sign=1):  # in total and for each group's worker
         self.counts[key] += sign * len(groups)
         for g in groups:
             name = g["worker"] if g["worker"] in self.workers or len(self.workers) < MAX_WORKERS else "(other)"
@@ -281,9 +264,8 @@ class RolloutBuffer:
             self._count("duplicates", dups)
             self._count("dropped_stale", [g for g in new if not self._usable(g)])
             self.counts["dropped_zero_variance"] += len(flat)
-            for g in new:  # the lease of each sender shrinks as its groups arrive
-                if g["worker"] in self.leases:
-                    self.leases[g["worker"]][0] -= 1
+            for g in (g for g in new if g["worker"] in self.leases):  # a sender's lease shrinks as its groups arrive
+                self.leases[g["worker"]][0] -= 1
             self.groups.extend(fresh)
             self.nbytes += size
             self.cond.notify_all()
@@ -297,31 +279,35 @@ class RolloutBuffer:
             if self.trainer_version is None:  # the client answers this by announcing its version again
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy forgets it)", 409,
                                payload={"need_version": True})
-            self.waiting += n  # seen by /stats and /quota only while wait_for() has released the lock
-            self.cond.notify_all()
+            self.waiting += n  # seen by /stats while wait_for() has released the lock
             self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed, timeout)
             self.waiting -= n
             out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
-            self.nbytes -= sum(map(group_bytes, out))
-            self.staleness.update(self.trainer_version - g["policy_version"] for g in out)
-            self._count("delivered", out)
-            self.taken += len(out)
-            self.cond.notify_all()  # a replica waiting for a quota may now have one
+            self._deliver(out, self.trainer_version)
             return out, self.trainer_version
 
     def give_back(self, groups, version):
-        """Groups whose GET /batch answer could not be written (the client went away): back to the front,
-        in order, no longer delivered (or dropped as stale, if the trainer moved on meanwhile)."""
+        """Groups whose GET /batch answer could not be written (the client went away): back to the front, in order."""
         with self.cond:
-            self.staleness.subtract(version - g["policy_version"] for g in groups)
-            self._count("delivered", groups, -1)
+            self._deliver(groups, version, -1)
             self.counts["returned"] += len(groups)
-            self.taken -= len(groups) if version == self.trainer_version else 0
-            self._count("dropped_stale", [g for g in groups if not self._usable(g)])
-            back = [g for g in groups if self._usable(g)]
-            self.groups.extendleft(reversed(back))
-            self.nbytes += sum(map(group_bytes, back))
-            self.cond.notify_all()
+            self.groups.extendleft(reversed(groups))
+            self._drop_stale()  # if the trainer moved on meanwhile
+
+    def _deliver(self, groups, version, sign=1):  # sign -1: given back
+        self.nbytes -= sign * sum(map(group_bytes, groups))
+        self._count("delivered", groups, sign)
+        self.taken += sign * len(groups) if version == self.trainer_version else 0
+        for g in groups:
+            self.staleness[version - g["policy_version"]] += sign
+        self.cond.notify_all()  # a replica waiting for a quota may now have one
+
+    def _drop_stale(self):
+        stale = [g for g in self.groups if not self._usable(g)]
+        self.groups = collections.deque(g for g in self.groups if self._usable(g))
+        self.nbytes -= sum(map(group_bytes, stale))
+        self._count("dropped_stale", stale)
+        return len(stale)
 
     def set_version(self, version):
         """The trainer is now at `version`: drop the groups that became stale."""
@@ -329,14 +315,10 @@ class RolloutBuffer:
             if self.trainer_version is not None and version < self.trainer_version:
                 raise ApiError(f"version {version} is lower than this proxy's trainer_version {self.trainer_version} "
                                "(a trainer resumed from older state, or another run's trainer? restart the proxy)", 409)
-            if version != self.trainer_version:
-                self.trainer_version, self.taken = version, 0
-            stale = [g for g in self.groups if not self._usable(g)]
-            self.groups = collections.deque(g for g in self.groups if self._usable(g))
-            self.nbytes -= sum(map(group_bytes, stale))
-            self._count("dropped_stale", stale)
+            self.taken = self.taken if version == self.trainer_version else 0  # counted per trainer version
+            self.trainer_version = version
             self.cond.notify_all()
-            return {"dropped": len(stale), "trainer_version": version}
+            return {"dropped": self._drop_stale(), "trainer_version": version}
 
     def finish(self):
         """The trainer is done: /quota answers "done" from now on."""
@@ -451,14 +433,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return
         code, headers = 200, {}
         try:
-            if path not in ROUTES:
-                raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves " +
-                               ", ".join(f"{m} {p}" for p, m in ROUTES.items()), 404)
-            if method != ROUTES[path]:
-                raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
-            self._authorize(path)
-            if path != "/healthz":
-                self.buffer.last_request = time.monotonic()
+            self._admit(method, path)
             payload = self._route(path, query)
         except ApiError as e:
             code, payload, headers = e.code, {"error": str(e), **e.payload}, e.headers
@@ -474,18 +449,24 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
 
-    def _authorize(self, path):
-        """The trainer's token opens everything; the replicas' (when there is one) only REPLICA_PATHS."""
-        got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
-        if path == "/healthz" or not self.token or hmac.compare_digest(got, b"Bearer " + self.token.encode()):
+    def _admit(self, method, path):
+        """404, 405, then the token: the trainer's opens every path, the replicas' (if any) REPLICA_PATHS only."""
+        if path not in ROUTES:
+            raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves " +
+                           ", ".join(f"{m} {p}" for p, m in ROUTES.items()), 404)
+        if method != ROUTES[path]:
+            raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
+        if path == "/healthz":
             return
-        if self.rollout_token and hmac.compare_digest(got, b"Bearer " + self.rollout_token.encode()):
-            if path in REPLICA_PATHS:
-                return
+        got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
+        trainer = not self.token or hmac.compare_digest(got, b"Bearer " + self.token.encode())
+        if not trainer and not (self.rollout_token and hmac.compare_digest(got, b"Bearer " + self.rollout_token.encode())):
+            raise ApiError("missing or wrong token: send 'Authorization: Bearer <token>' (the trainer's PROXY_TOKEN, "
+                           "or the replicas' ROLLOUT_TOKEN)", 401, {"WWW-Authenticate": "Bearer"})
+        if not trainer and path not in REPLICA_PATHS:
             raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' (--rollout-token, "
                            "ROLLOUT_TOKEN): only the trainer drains /batch, sets the version and ends the run", 403)
-        raise ApiError("missing or wrong token: send 'Authorization: Bearer <token>' (the trainer's PROXY_TOKEN, "
-                       "or the replicas' ROLLOUT_TOKEN)", 401, {"WWW-Authenticate": "Bearer"})
+        self.buffer.last_request = time.monotonic()  # --linger counts quiet seconds from the last request of the run
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (bad request line, unknown method) as JSON, like ours."""
@@ -498,13 +479,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if 400 <= code < 500 and code != 429:  # a bad request; 429 (full) is one to retry
             self.buffer.count("rejected")
         body = json.dumps(payload, separators=(",", ":")).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
         if self.close_connection or getattr(self, "_body_pending", False):
-            self.send_header("Connection", "close")  # an unread body must not be parsed as a request
+            headers["Connection"] = "close"  # an unread body must not be parsed as a request
+        self.send_response(code)
+        for k, v in headers.items():
+            self.send_header(k, v)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
@@ -553,7 +533,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                            query_seconds(q))
         if path in ("/version", "/done"):
             body = self._read_json()
-            check_fields(body, "body", {"version": VERSION} if path == "/version" else {})
+            check_fields(body, "body", {"version": INDEX} if path == "/version" else {})
             return b.set_version(body["version"]) if path == "/version" else b.finish()
         return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
 
@@ -567,7 +547,7 @@ class ProxyServer(ThreadingHTTPServer):
 
     def __init__(self, address, handler, max_connections=256, log_every=60.0):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.buffer, self.max_connections, self.active, self.lock = handler.buffer, max_connections, 0, threading.Lock()
+        self.buffer, self.slots = handler.buffer, threading.BoundedSemaphore(max_connections)
         self.log_every, self._last_log, self._logged = log_every, time.monotonic(), self.buffer.stats()
         super().__init__(address, handler)
 
@@ -584,10 +564,7 @@ class ProxyServer(ThreadingHTTPServer):
             raise
 
     def process_request(self, request, client_address):
-        with self.lock:
-            busy = self.active >= self.max_connections
-            self.active += not busy
-        if not busy:
+        if self.slots.acquire(blocking=False):
             return super().process_request(request, client_address)
         self.buffer.count("refused_connections")
         try:  # answered at once from the accept loop, without waiting on the client
@@ -602,8 +579,7 @@ class ProxyServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self.lock:
-                self.active -= 1
+            self.slots.release()
 
     def server_close(self):
         super().server_close()
@@ -716,7 +692,7 @@ class ProxyClient:
             data = None if body is None else json.dumps(body, allow_nan=False).encode()
         except ValueError:
             raise ProxyError(f"{where}: cannot send NaN or Infinity (check the rewards and log-probs)") from None
-        deadline, delay, streak = time.monotonic() + self.max_wait, 0.5, False
+        deadline, delay = time.monotonic() + self.max_wait, 0.5
         while True:
             try:
                 r = self.session.request(method, self.url + path, data=data, params=params,
@@ -741,45 +717,33 @@ class ProxyClient:
                 why, pause = f"HTTP {r.status_code}: {msg}", float(after) if after.isdigit() else delay
             if (left := deadline - time.monotonic()) <= 0:
                 raise ProxyError(f"{where}: gave up after {self.max_wait:g} s: {why}")
-            if not streak:  # one line per streak of retries
+            if delay == 0.5:  # the first retry of this call: one line per streak of retries
                 print(f"proxy.py client: {where}: {why}; retrying for up to {self.max_wait:g} s", file=sys.stderr,
                       flush=True)
-                streak = True
             time.sleep(min(pause, left, 10.0))
             delay = min(2 * delay, 10.0)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The hub of an async GRPO run: contract, rollout buffer, quota.")
+    p = argparse.ArgumentParser(description="The hub of an async GRPO run: contract, rollout buffer, quota. "
+                                            "Flags, fields and status codes: README.md.")
     a = p.add_argument
     a("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
     a("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    # the run's contract: every role takes these from GET /config
-    a("--num-generations", type=int, default=CONTRACT["num_generations"], help="completions per prompt (G)")
-    a("--groups-per-step", type=int, default=CONTRACT["groups_per_step"], help="groups per trainer step")
-    a("--max-staleness", type=int, default=CONTRACT["max_staleness"],
-      help="hand out a group only while trainer_version - policy_version <= this (0: synchronous GRPO)")
-    a("--temperature", type=float, default=CONTRACT["temperature"], help="sampling temperature of every replica")
-    a("--max-new-tokens", type=int, default=CONTRACT["max_new_tokens"],
-      help="longest completion (the trainer's max_completion_length)")
-    a("--zero-variance", default=CONTRACT["zero_variance"], choices=["keep", "drop"],
-      help="groups whose rewards are all equal: keep (they count toward a step, as TRL) or drop (DAPO)")
-    # the server
-    a("--max-groups", type=int, default=4096, help="buffer size in groups; when full, POST /rollouts gets 429")
-    a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB of memory (~70 bytes a token); when "
-      "full, 429. 1 GiB leaves most of a cpu-basic machine's 16 GB to requests in flight")
+    for key, default in CONTRACT.items():  # the run's contract: every role takes it from GET /config
+        a("--" + key.replace("_", "-"), type=type(default), default=default, help=CONTRACT_HELP[key],
+          choices=("keep", "drop") if key == "zero_variance" else None)
+    a("--max-groups", type=int, default=4096, help="buffer size in groups (429 when full)")
+    a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB, ~70 bytes a token (429 when full)")
     a("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
-    a("--request-timeout", type=float, default=30.0,
-      help="seconds a whole request (headers and body) may take to arrive; also an idle connection's life")
-    a("--max-connections", type=int, default=256, help="open connections at most; further ones get 503 at once")
-    a("--lease-timeout", type=float, default=120.0,
-      help="seconds a replica's quota counts as coming before it is handed out again")
-    a("--linger", type=float, default=60.0,
-      help="after the trainer is done, exit once every replica was told, or after this many quiet seconds")
-    a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's bearer token, for every endpoint but "
-      "/healthz (default: $PROXY_TOKEN, which keeps it out of the process list)")
+    a("--request-timeout", type=float, default=30.0, help="seconds a request may take to arrive (and a connection idle)")
+    a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
+    a("--lease-timeout", type=float, default=120.0, help="seconds a replica's quota counts as coming")
+    a("--linger", type=float, default=60.0, help="after /done, exit once every replica was told or after this many "
+      "quiet seconds")
+    a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's bearer token (default: $PROXY_TOKEN)")
     a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"), help="the replicas' bearer token: /rollouts, "
-      "/quota, /config, /stats only (default: $ROLLOUT_TOKEN; none: the trainer's token serves every role)")
+      "/quota, /config, /stats only (default: $ROLLOUT_TOKEN)")
     args = vars(p.parse_args(argv))
     linger = args.pop("linger")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")

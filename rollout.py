@@ -71,15 +71,9 @@ def gsm8k_reference(answer):
     return answer.split("####")[-1].strip()
 
 
-def toy_reward(completion, reference=None):
-    """The tiny-model task: 1.0 when a "7" appears anywhere in the completion."""
-    return float("7" in completion)
-
-
 def reward(task, completion, item):
-    if task == "toy":
-        return toy_reward(completion)
-    return number_reward(completion, item["answer"])
+    """arith, gsm8k: the last number is the answer; toy (the tiny test model): a "7" anywhere."""
+    return float("7" in completion) if task == "toy" else number_reward(completion, item["answer"])
 
 
 def arith_is_test(a, b):
@@ -341,17 +335,6 @@ def make_engine(args, lora_rank):
 # ----------------------------------------------------------------------------- the replica loop
 
 
-def swap_adapter(engine, bucket, version, cache):
-    """Pull (verified against its manifest) into cache (a sync.AdapterCache) and hot-load one version.
-    Returns (pull_s, load_s)."""
-    t0 = time.time()
-    path = cache.pull(bucket, version)
-    t1 = time.time()
-    engine.load_adapter(version, path)
-    cache.keep_only(path)  # older pulls are loaded already or never needed again
-    return t1 - t0, time.time() - t1
-
-
 class Replica:
     """One replica's state between batches: adapter version in use, the trainer's version, prompt order."""
 
@@ -363,8 +346,8 @@ class Replica:
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = None  # adapter version loaded in the engine
         self.trainer_version = None  # the proxy's word, from each /quota answer: its only source
-        self.reload_s, self.batches, self.why = 0.0, 0, None  # why: the reason of the current wait, logged once
-        self.lag_logged = None  # the trainer version last reported as not visible in the bucket
+        self.reload_s, self.batches = 0.0, 0
+        self.why, self.lag_logged = None, None  # the wait reason and the lagging version last logged (once each)
 
     def log(self, msg):
         print(f"[{self.worker}] {msg}", flush=True)
@@ -381,9 +364,13 @@ class Replica:
             return
         if latest is not None and (self.version is None or latest > self.version) and (
                 self.trainer_version is None or latest <= self.trainer_version):
-            pull_s, load_s = swap_adapter(self.engine, self.bucket, latest, self.cache_dir)
-            self.log(f"adapter v{latest} loaded (pull {pull_s:.3f}s, load {load_s:.3f}s)")
-            self.version, self.reload_s = latest, self.reload_s + pull_s + load_s
+            t0 = time.time()
+            path = self.cache_dir.pull(self.bucket, latest)  # verified against its manifest
+            t1 = time.time()
+            self.engine.load_adapter(latest, path)  # hot: no engine restart
+            self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
+            self.log(f"adapter v{latest} loaded (pull {t1 - t0:.3f}s, load {time.time() - t1:.3f}s)")
+            self.version, self.reload_s = latest, self.reload_s + time.time() - t0
 
     def step(self):
         """Ask the proxy how many groups to make (it sees the whole run: the trainer's version, the buffer,
@@ -476,38 +463,23 @@ def run_replica(args):
         pass
 
 
-def file_stamps(path):
-    """[name, size, mtime] of a file, or of each file in a folder (not in its subfolders)."""
-    files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
-    return [[os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files if os.path.isfile(f)]
-
-
 def eval_cache_file(args, engine_name):
-    """Where the base model's result under these settings is kept (None: a hub model not downloaded yet).
-    The name hashes all that decides the result: the model's files (a hub id: its snapshot, named by
-    commit), task, data, --limit, --max-new-tokens, engine, device, library versions, this file's code."""
+    """Where the base model's greedy result is kept: one file per (model, task, data, --limit,
+    --max-new-tokens, engine). A local model folder's files (name, size, mtime) are in the key, so a
+    changed model is a miss; after changing prompts or rewards, pass --no-eval-cache once."""
     import hashlib
-    from importlib.metadata import version
 
-    import torch
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = args.model if os.path.isdir(args.model) else snapshot_download(args.model, local_files_only=True)
-    except (OSError, ValueError):  # not downloaded yet (or not a hub id: loading it will say so)
-        return None
-    with open(__file__, "rb") as f:
-        code = hashlib.sha256(f.read()).hexdigest()
-    key = [os.path.realpath(folder), file_stamps(folder), args.task, args.data and os.path.realpath(args.data),
-           args.data and file_stamps(args.data), args.limit, args.max_new_tokens, engine_name,
-           torch.cuda.is_available(), version("torch"), version("transformers"), code]
-    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
-    return os.path.join(args.eval_cache, f"base-{args.task}-{digest}.json")
+    m = args.model
+    stamps = [[f, os.stat(os.path.join(m, f)).st_size, os.stat(os.path.join(m, f)).st_mtime_ns]
+              for f in sorted(os.listdir(m))] if os.path.isdir(m) else []
+    key = [os.path.abspath(m) if stamps else m, stamps, args.task, args.data, args.limit, args.max_new_tokens,
+           engine_name]
+    return os.path.join(args.eval_cache, f"base-{args.task}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json")
 
 
 def run_eval(args):
-    """Greedy accuracy of one adapter version (or the base model) on the task's test split. The base
-    model's is computed once per model, task and settings (eval_cache_file), then read back."""
+    """Greedy accuracy of one adapter version (or the base model, cached: eval_cache_file) on the
+    task's test split."""
     t0 = time.time()
     cache = None if args.adapter != "base" or args.no_eval_cache else eval_cache_file(args, pick_engine(args.engine)[0])
     if cache and os.path.exists(cache):
@@ -535,13 +507,11 @@ def run_eval(args):
               "seconds": round(seconds, 1), "max_new_tokens": args.max_new_tokens,
               "results": [{"question": it["question"], "answer": it["answer"], "completion": t, "correct": c}
                           for it, t, c in zip(items, texts, correct)]}
-    if args.adapter == "base" and not args.no_eval_cache:
-        cache = cache or eval_cache_file(args, engine.name)  # a hub model is downloaded now
-        if cache:
-            os.makedirs(args.eval_cache, exist_ok=True)
-            with open(f"{cache}.{os.getpid()}.tmp", "w") as f:
-                json.dump(result, f)
-            os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # atomic: a reader sees all of it or nothing
+    if cache:
+        os.makedirs(args.eval_cache, exist_ok=True)
+        with open(f"{cache}.{os.getpid()}.tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # atomic: a reader sees all of it or nothing
     return report_eval(args, result)
 
 
@@ -564,7 +534,8 @@ def parse_args(argv=None):
     a("--model", required=True, help="base model: a hub id or a local folder (the trainer's --model)")
     a("--bucket", help="where the trainer publishes adapters: a directory or s3://bucket/prefix")
     a("--proxy", help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
-    a("--token", help="bearer token for the proxy (default: env PROXY_TOKEN)")
+    a("--token", default=os.environ.get("ROLLOUT_TOKEN"),
+      help="bearer token for the proxy (default: env ROLLOUT_TOKEN, else PROXY_TOKEN)")
     a("--task", default="arith", choices=["gsm8k", "arith", "toy"], help="prompts and reward function")
     a("--data", help="gsm8k: a local JSONL file, or a folder with train.jsonl/test.jsonl (default: the hub)")
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.

@@ -286,9 +286,10 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 
 # ----------------------------------------------------------------------------- data
 
-def gather_groups(client, n, wait_timeout, bucket_url):
+def gather_groups(client, n, wait_timeout, bucket_url, vocab_size):
     """Long-poll the proxy until n groups are in hand. The proxy hands out only usable groups: at most
-    max_staleness versions old (and with --zero-variance drop, only groups whose rewards differ)."""
+    max_staleness versions old (and with --zero-variance drop, only groups whose rewards differ). A group
+    with a token id outside the model's vocabulary (a broken or hostile replica) is dropped here."""
     groups, start, last_log = [], time.time(), time.time()
     while len(groups) < n:
         waited = time.time() - start
@@ -302,7 +303,12 @@ def gather_groups(client, n, wait_timeout, bucket_url):
                                    "--wait-timeout for slow starts")
             print(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {why}")
             last_log = time.time()
-        groups += client.get_batch(n - len(groups), timeout=min(30.0, wait_timeout or 30.0))["groups"]
+        for g in client.get_batch(n - len(groups), timeout=min(30.0, wait_timeout or 30.0))["groups"]:
+            if max(max(c["ids"], default=0) for c in [{"ids": g["prompt_ids"]}, *g["completions"]]) < vocab_size:
+                groups.append(g)
+            else:
+                print(f"dropped group {g['group_id']} from {g['worker']}: a token id >= the vocabulary size {vocab_size}",
+                      file=sys.stderr)
     return groups
 
 
@@ -418,7 +424,8 @@ def train(args):
 
     while step < args.max_steps:
         t0 = time.time()
-        groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url)
+        groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
+                               model.get_input_embeddings().num_embeddings)
         groups_consumed += len(groups)
         t1 = time.time()
         seqs = flatten_groups(groups, args.max_completion_length)

@@ -13,12 +13,24 @@ At the end (and after every kill) it checks the invariants of issue 7 and prints
     restart and at the end; the groups lost with a proxy are the ones its last /stats buffered;
   - the trainer kept making progress; no role died on its own; no process is left behind.
 
+Two hostile peers run all along, with the replicas' token (ROLLOUT_TOKEN; the trainer holds PROXY_TOKEN):
+  - a poisoner (the harness itself) POSTs, at random moments, groups that are valid JSON but hostile:
+    ones the schema allows (log-prob -999 on a low-reward completion, rewards of +-1e29, the longest
+    prompt and completions the model takes) and ones the proxy must refuse (a positive, NaN or too small
+    log-prob, an infinite reward, another temperature, max_new_tokens or G, a policy_version from the future);
+  - a lying replica follows /quota but posts groups of random log-probs tagged with the trainer's version,
+    and tries the trainer's endpoints (POST /version 2147483647, GET /batch, POST /done): each must get 403.
+At the end every adapter in the bucket must hold finite weights, no step whose loss or gradient was not
+finite may have been applied, and no group from the future may have been trained on.
+
 The same harness (Role, LocalSystem, verify_bucket, TcpRelay) is what tests/test_faults.py uses.
 This file is not collected by pytest (its name does not start with test_).
 """
 
 import argparse
 import collections
+import json
+import math
 import os
 import random
 import re
@@ -40,7 +52,8 @@ import sync  # noqa: E402
 from conftest import free_port, wait_port  # noqa: E402  (the tests' helpers)
 from proxy import ProxyClient, ProxyError  # noqa: E402
 
-TOKEN = "chaos-token"
+TOKEN = "chaos-token"  # the trainer's (PROXY_TOKEN): every endpoint
+ROLLOUT_TOKEN = "chaos-rollout-token"  # the replicas' (ROLLOUT_TOKEN): /rollouts, /quota, /config, /stats only
 PUBLISHED = re.compile(r"^published v(\d+) at step (\d+)$", re.M)
 STEP = re.compile(r"^step (\d+) v(\d+) ", re.M)
 RESUMED = re.compile(r"^(resumed from step (\d+), version (\d+)|starting fresh)", re.M)
@@ -260,7 +273,8 @@ def processes_mentioning(text):
 
 class LocalSystem:
     """proxy.py, N rollout.py replicas (hf engine, toy task) and trainer.py as separate processes
-    on 127.0.0.1, one thread each, logs under `workdir`."""
+    on 127.0.0.1, one thread each, logs under `workdir`. Each role holds only its own token: the
+    trainer PROXY_TOKEN, the replicas ROLLOUT_TOKEN, the proxy both."""
 
     def __init__(self, workdir, model, bucket, replicas=2, max_staleness=2, num_generations=8, env=None,
                  trainer_args=(), replica_args=(), proxy_args=()):
@@ -268,8 +282,11 @@ class LocalSystem:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.max_staleness = max_staleness
-        self.env = {**os.environ, "PROXY_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.env = {**os.environ, "PROXY_TOKEN": TOKEN, "ROLLOUT_TOKEN": ROLLOUT_TOKEN, "OMP_NUM_THREADS": "1",
+                    "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}  # the proxy's
+        replica_env = {k: v for k, v in self.env.items() if k != "PROXY_TOKEN"}  # rollout.py takes ROLLOUT_TOKEN
+        trainer_env = {k: v for k, v in self.env.items() if k != "ROLLOUT_TOKEN"}
+        self.rollout_token = self.env["ROLLOUT_TOKEN"]
         py, G, S = sys.executable, str(num_generations), str(max_staleness)
         self.roles = {"proxy": Role("proxy", [py, "proxy.py", "--port", str(self.port), "--max-staleness", S,
                                               "--num-generations", G, "--linger", "1e9", *proxy_args],
@@ -279,9 +296,9 @@ class LocalSystem:
                    "--proxy", self.url, "--replica-id", str(i),
                    "--num-replicas", str(replicas), "--seed", "0", "--poll-interval", "0.5", *replica_args]
             self.roles[f"replica-{i}"] = Role(f"replica-{i}", cmd, os.path.join(workdir, f"replica-{i}.log"),
-                                              self.env)
+                                              replica_env)
         self.roles["trainer"] = Role("trainer", [py, "trainer.py", "--model", model, "--bucket", bucket, "--proxy",
-                                                 self.url, *trainer_args], os.path.join(workdir, "trainer.log"), self.env)
+                                                 self.url, *trainer_args], os.path.join(workdir, "trainer.log"), trainer_env)
 
     @property
     def trainer(self):
@@ -305,7 +322,12 @@ class LocalSystem:
         wait_port(self.port)
 
     def client(self, max_wait=10.0):
-        return ProxyClient(self.url, token=TOKEN, max_wait=max_wait)
+        """A client with the trainer's token (every endpoint)."""
+        return ProxyClient(self.url, token=self.env["PROXY_TOKEN"], max_wait=max_wait)
+
+    def rollout_client(self, max_wait=10.0):
+        """A client with the replicas' token: what a hostile replica holds."""
+        return ProxyClient(self.url, token=self.rollout_token, max_wait=max_wait)
 
     def stats(self):
         s = self.client().stats()
@@ -342,6 +364,8 @@ class Report:
         self.kills = dict.fromkeys(roles, 0)
         self.checks = collections.Counter()
         self.lost, self.failures, self.trainer_runs = [], [], []  # trainer_runs: (run number, versions seen)
+        self.poison = collections.Counter()  # (kind, "accepted" | "refused" | "not delivered") of the poisoner's POSTs
+        self.lies = collections.Counter()  # what the lying replica sent and what it was answered
 
     def check(self, name, ok=True, failure=None):
         if ok:
@@ -386,6 +410,188 @@ def kill_replica(role, rng):
     role.start()
 
 
+# ----------------------------------------------------------------------------- hostile peers
+
+LIAR_VERSION = 2**31 - 1  # the version the lying replica tries to set: the trainer's next would get 409
+ALLOWED = ("logprob -999", "reward 1e29", "longest")  # the schema allows them; the trainer must survive them
+REFUSED = ("logprob > 0", "logprob NaN", "logprob < -1000", "reward inf", "temperature", "max_new_tokens", "G",
+           "future version")  # the proxy must refuse them: 400, or 409 for the future
+
+
+def model_limits(model):
+    """(vocabulary size, longest sequence) of the base model: hostile groups stay within what it takes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    return config.vocab_size, min(config.max_position_embeddings, 4096)
+
+
+def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner"):
+    """One group as a replica POSTs it, made hostile as `kind` (ALLOWED or REFUSED) says."""
+    (vocab, longest), G, T = limits, contract["num_generations"], contract["max_new_tokens"]
+    completions = [{"ids": [rng.randrange(vocab) for _ in range(T)], "logprobs": [-4.6] * T, "reward": float(j % 2),
+                    "text": "", "finish_reason": "length"} for j in range(G)]
+    g = {"group_id": f"{worker}-{uuid.uuid4().hex}", "policy_version": version, "worker": worker, "prompt": kind,
+         "prompt_ids": [rng.randrange(vocab) for _ in range(8)], "temperature": contract["temperature"],
+         "max_new_tokens": T, "completions": completions}
+    first = completions[0]
+    if kind == "logprob -999":  # negative advantage: exp(new - old) ~ e^995 without the trainer's log-ratio cap
+        for c in completions[::2]:
+            c["logprobs"] = [-999.0] * T
+    elif kind == "reward 1e29":  # the squares in the std overflow float32
+        first["reward"], completions[1]["reward"] = 1e29, -1e29
+    elif kind == "longest":  # the longest prompt and completions the model takes (the tokens are all real ids)
+        g["prompt_ids"] = [rng.randrange(vocab) for _ in range(longest - T)]
+    elif kind.startswith("logprob"):
+        first["logprobs"][0] = {"logprob > 0": 0.5, "logprob NaN": math.nan, "logprob < -1000": -1e4}[kind]
+    elif kind == "reward inf":
+        first["reward"] = math.inf
+    elif kind in ("temperature", "max_new_tokens"):
+        g[kind] = contract[kind] * 2
+    elif kind == "G":
+        g["completions"] = completions[:-1]
+    elif kind == "future version":  # no adapter of the trainer made it
+        g["policy_version"] = version + 1
+    return g
+
+
+def post_raw(client, groups):
+    """POST /rollouts as a hostile peer would (NaN and Infinity written as JS literals): (status, answer)."""
+    r = client.session.post(client.url + "/rollouts", data=json.dumps({"groups": groups}),
+                            headers={"Content-Type": "application/json"}, timeout=60)
+    return r.status_code, r.json()
+
+
+def poisoner(system, limits, rng, stop, report):
+    """Every few seconds, POST two hostile groups (one each) and count how the proxy answered."""
+    import requests
+
+    client = system.rollout_client(max_wait=30)
+    while not stop.wait(rng.uniform(3, 12)):
+        try:
+            s = client.stats()
+        except ProxyError:
+            continue  # the proxy is down for longer than 30 s: try again later
+        t = s["trainer_version"]
+        for kind in rng.sample(ALLOWED + REFUSED, 2):
+            if kind == "future version" and t is None:
+                continue  # a restarted proxy knows no trainer version yet: nothing is "the future"
+            try:
+                code, answer = post_raw(client, [hostile_group(kind, s["contract"], t or 0, limits, rng)])
+            except (requests.RequestException, ValueError):
+                code, answer = None, {}
+            if code is None or code == 429 or code >= 500:  # down, restarting, or full
+                report.poison[kind, "not delivered"] += 1
+                continue
+            report.poison[kind, "accepted" if code == 200 else "refused"] += 1
+            want = 200 if kind in ALLOWED else 409 if kind == "future version" else 400
+            if code != want and not (kind == "future version" and code == 200 and answer.get("trainer_version") is None):
+                report.failures.append(f"poisoned group {kind!r}: HTTP {code} {str(answer)[:300]}, expected {want}")
+
+
+def lying_group(contract, version, limits, rng):
+    """A group tagged with the trainer's version whose log-probs no policy made (random in [-30, 0])."""
+    vocab, T = limits[0], contract["max_new_tokens"]
+    completions = []
+    for _ in range(contract["num_generations"]):
+        n = rng.randint(1, T)
+        completions.append({"ids": [rng.randrange(vocab) for _ in range(n)], "text": "", "finish_reason": "length",
+                            "logprobs": [rng.uniform(-30, 0) for _ in range(n)], "reward": float(rng.random() < 0.5)})
+    return {"group_id": f"chaos-liar-{uuid.uuid4().hex}", "policy_version": version, "worker": "chaos-liar",
+            "prompt": "lie", "prompt_ids": [rng.randrange(vocab) for _ in range(rng.randint(4, 40))],
+            "temperature": contract["temperature"], "max_new_tokens": T, "completions": completions}
+
+
+def liar(system, limits, rng, stop, report):
+    """A replica that lies: it follows /quota, posts random groups under the trainer's version, and every
+    third round tries the trainer's endpoints. Each must get 403 and leave the proxy's version alone."""
+    client, rounds = system.rollout_client(max_wait=30), 0
+    trainer_only = {"POST /version": lambda: client.set_version(LIAR_VERSION), "POST /done": client.done,
+                    "GET /batch": lambda: client.get_batch(system.max_staleness + 1, timeout=0)}
+    while not stop.wait(rng.uniform(2, 6)):
+        rounds += 1
+        try:
+            contract = client.contract()
+            q = client.quota("chaos-liar", client.stats()["trainer_version"] or 0, 4, timeout=5)
+            if q["groups"] and q["trainer_version"] is not None:
+                answer = client.post_rollouts([lying_group(contract, q["trainer_version"], limits, rng)
+                                               for _ in range(q["groups"])])
+                report.lies["groups sent"] += q["groups"]
+                report.lies["groups accepted"] += answer["accepted"] - answer["stale"] - answer["zero_variance"]
+            for name, call in trainer_only.items() if rounds % 3 == 0 else ():
+                report.lies["trainer calls"] += 1
+                try:
+                    call()
+                    report.failures.append(f"the lying replica's {name} was answered 200 (it holds the replicas' token)")
+                except ProxyError as e:
+                    report.lies["403"] += "HTTP 403" in str(e)
+                    report.lies["trainer calls unanswered"] += "gave up" in str(e)
+                s = client.stats()
+                if s["trainer_version"] == LIAR_VERSION or s["state"] == "done":
+                    report.failures.append(f"after the lying replica's {name}: proxy at v{s['trainer_version']}, "
+                                           f"state {s['state']}")
+        except ProxyError as e:
+            report.lies["rounds cut short by the proxy"] += 1
+            if "gave up" not in str(e):  # a proxy down for over 30 s is a kill, not news
+                report.failures.append(f"lying replica: {str(e)[:300]}")
+
+
+def start_hostile_peers(system, model, seed, report):
+    """The poisoner and the lying replica, as threads of this process; returns stop() for the end."""
+    limits, stop = model_limits(model), threading.Event()
+    threads = [threading.Thread(target=watched, args=(fn, report, system, limits, random.Random(seed * 1000 + i),
+                                                       stop, report), name=fn.__name__, daemon=True)
+               for i, fn in enumerate((poisoner, liar))]
+    for t in threads:
+        t.start()
+
+    def stop_all():
+        stop.set()
+        for t in threads:
+            t.join(120)
+    return stop_all
+
+
+def watched(fn, report, *args):
+    """Run a hostile peer; an exception of the harness itself becomes a failure, not a silent thread death."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001  (reported, and the run fails)
+        report.failures.append(f"{fn.__name__} thread crashed: {type(e).__name__}: {str(e)[:300]}")
+
+
+def adapter_finite(bucket, version, scratch):
+    """True when every tensor of adapter `version` (adapter_model.safetensors) is finite."""
+    import torch
+    from safetensors.torch import load_file
+
+    dest = tempfile.mkdtemp(dir=scratch)
+    try:
+        path = sync.pull_adapter(bucket, version, dest, timeout=5.0)
+        return all(torch.isfinite(t).all().item() for t in load_file(os.path.join(path, "adapter_model.safetensors")).values())
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def learning_checks(system, scratch, report, final):
+    """Finite weights in every adapter kept, no non-finite step applied, no group from the future trained on."""
+    finite = [v for v in final["complete"] if adapter_finite(system.bucket, v, scratch)]
+    report.check("every adapter in the bucket has finite weights", finite == final["complete"],
+                 f"adapters with NaN or inf weights: {sorted(set(final['complete']) - set(finite))}")
+    records = sync.read_metrics(system.bucket)
+    finite_number = lambda x: type(x) in (int, float) and math.isfinite(x)  # noqa: E731
+    applied = [r["step"] for r in records if not r.get("skipped_non_finite")
+               and not (finite_number(r.get("loss")) and finite_number(r.get("grad_norm")))]
+    report.check("no non-finite step applied", not applied, f"steps applied with a non-finite loss or gradient: {applied}")
+    future = [r["step"] for r in records if max(r.get("policy_versions") or [0]) > r["version"]]
+    report.check("no group from the future trained on", not future, f"steps with groups from the future: {future}")
+    versions = [int(v) for v, _ in PUBLISHED.findall(system.trainer.text())]
+    report.check("the liar never set the version", LIAR_VERSION not in versions and report.lies["403"] ==
+                 report.lies["trainer calls"] - report.lies["trainer calls unanswered"],
+                 f"trainer-only calls of the lying replica: {dict(report.lies)}")
+    return {"finite": finite, "records": records, "applied_non_finite": applied}
+
+
 def final_checks(system, scratch, report, work):
     """After the run (every role stopped): bucket, version numbers, logs, processes."""
     try:
@@ -394,6 +600,10 @@ def final_checks(system, scratch, report, work):
     except (AssertionError, sync.BucketError) as e:
         report.failures.append(str(e))
         final = {"latest": None, "complete": [], "torn": []}
+    try:
+        final.update(learning_checks(system, scratch, report, final))
+    except (OSError, ValueError, sync.BucketError) as e:
+        report.failures.append(f"learning checks: {type(e).__name__}: {str(e)[:500]}")
     log = system.trainer.text()
     try:
         check_publishes(log)
@@ -439,7 +649,9 @@ def chaos(args):
     report = Report(system.roles)
     before = 0
     system.start()
+    stop_hostile_peers = lambda: None  # noqa: E731
     try:
+        stop_hostile_peers = start_hostile_peers(system, model, args.seed, report)
         system.trainer.wait_for(r"^step 1 ", 240)
         deadline = time.time() + args.minutes * 60
         while (left := deadline - time.time()) > 0:
@@ -466,6 +678,7 @@ def chaos(args):
     except (AssertionError, OSError, ProxyError, sync.BucketError) as e:
         report.failures.append(f"{type(e).__name__}: {str(e)[:2000]}")
     finally:
+        stop_hostile_peers()
         system.stop()
     try:
         final = final_checks(system, scratch, report, work)
@@ -488,6 +701,21 @@ def chaos(args):
     print(f"groups lost with the proxy: {sum(report.lost)} over {len(report.lost)} proxy kills "
           f"(buffered at its last /stats: {report.lost})")
     print(f"the trainer announced its version again to a restarted proxy {resent} times")
+    p = report.poison
+    by = lambda kinds, outcome: ", ".join(f"{k} {p[k, outcome]}" for k in kinds if p[k, outcome])  # noqa: E731
+    print(f"poisoned groups (replicas' token): accepted {sum(p[k, 'accepted'] for k in ALLOWED)} ({by(ALLOWED, 'accepted')}); "
+          f"refused {sum(p[k, 'refused'] for k in REFUSED)} ({by(REFUSED, 'refused')}); not delivered (proxy down or "
+          f"full) {sum(n for (_, o), n in p.items() if o == 'not delivered')}")
+    lies, records = report.lies, final.get("records", [])
+    print(f"lying replica: {lies['groups sent']} groups of random log-probs under the trainer's version "
+          f"({lies['groups accepted']} buffered); trainer-only calls (POST /version {LIAR_VERSION}, GET /batch, POST /done) "
+          f"{lies['trainer calls']}, answered 403: {lies['403']}; rounds cut short by a dead proxy "
+          f"{lies['rounds cut short by the proxy']}")
+    print(f"learning: {len(re.findall(r'not finite, update skipped', log))} steps skipped as not finite, "
+          f"{sum(not r.get('skipped_non_finite') for r in records)} applied ({len(final.get('applied_non_finite', []))} "
+          f"of them not finite); largest ratio of a step "
+          f"{max((r['ratio_max'] for r in records if r.get('ratio_max') is not None), default=0):.4g}; adapters with "
+          f"finite weights {len(final.get('finite', []))} of {len(final['complete'])} (LATEST v{final['latest']})")
     print("invariant checks passed: " + ", ".join(f"{k} x{v}" for k, v in report.checks.items()) +
           f" ({sum(report.checks.values())} in all)")
     print("FAILURES:\n  " + "\n  ".join(report.failures) if report.failures else "no failures")

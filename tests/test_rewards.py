@@ -65,9 +65,9 @@ def test_last_number():
 
 
 def test_toy_reward():
-    assert rollout.toy_reward("7") == 1.0
-    assert rollout.toy_reward("x7y") == 1.0
-    assert rollout.toy_reward("1234568") == 0.0
+    assert rollout.reward("toy", "7", None) == 1.0
+    assert rollout.reward("toy", "x7y", None) == 1.0
+    assert rollout.reward("toy", "1234568", None) == 0.0
     assert rollout.reward("toy", "77", {"answer": "7"}) == 1.0
 
 

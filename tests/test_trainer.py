@@ -312,3 +312,25 @@ def test_a_replica_that_reads_another_bucket_is_diagnosed(tiny_model, tmp_path, 
     assert last.startswith("trainer.py: error: no groups for") and f"--bucket {bucket}" in last, last
     log = (tmp_path / "replica.log").read_text()
     assert f"{wrong} shows only v0" in log, log[-2000:]
+
+
+def test_a_group_with_token_ids_outside_the_vocabulary_is_dropped(capfd):
+    """A replica (broken or hostile) can send any id below 2^31: the trainer must not index its embedding with it."""
+    server, _ = proxy.serve(port=0, num_generations=2, max_new_tokens=4)
+    try:
+        client = proxy.ProxyClient(f"http://127.0.0.1:{server.server_address[1]}")
+        client.set_version(0)
+
+        def group(gid, token):
+            comps = [{"ids": [token, 3], "logprobs": [-1.0, -1.0], "reward": float(r), "text": "", "finish_reason":
+                      "stop"} for r in (0, 1)]
+            return {"group_id": gid, "policy_version": 0, "worker": "w", "prompt": "", "prompt_ids": [5, 6],
+                    "temperature": 1.0, "max_new_tokens": 4, "completions": comps}
+
+        client.post_rollouts([group("a", 7), group("bad", 10**6), group("b", 8)])
+        got = trainer.gather_groups(client, 2, 10, "B", vocab_size=100)
+        assert [g["group_id"] for g in got] == ["a", "b"]
+        assert "dropped group bad from w: a token id >= the vocabulary size 100" in capfd.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
