@@ -150,11 +150,11 @@ def parse_json(body):
 def parse_query(query, spec):
     """The query string as {key: str}: spec's keys only, each once; spec's values are defaults (None: required)."""
     pairs = parse_qsl(query, keep_blank_values=True)  # http.server caps the request line at 64 KiB
-    q = {**spec, **dict(pairs)}
-    _check(len(q) == len(spec) and len(dict(pairs)) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
-    for key in (k for k, v in q.items() if v is None):
+    q = dict(pairs)
+    _check(set(q) <= set(spec) and len(q) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
+    for key in (k for k, v in spec.items() if v is None and k not in q):
         raise ApiError(f"{key}: missing")
-    return q
+    return {**spec, **q}
 
 
 def query_int(q, key, lo, hi):
@@ -173,10 +173,6 @@ def group_bytes(g):
     (an int and a float, with their list slots), 36 per prompt id, the text, ~700 per completion."""
     return (1000 + 36 * len(g["prompt_ids"]) + len(g["prompt"])
             + sum(700 + 70 * len(c["ids"]) + len(c["text"]) for c in g["completions"]))
-
-
-def _varied(g):  # the rewards of a group differ: it carries a learning signal
-    return len({c["reward"] for c in g["completions"]}) > 1
 
 
 # ---- the run's contract and the buffer: all state and counters under one lock ----------------
@@ -203,8 +199,9 @@ class RolloutBuffer:
                  "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
                  "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop")}
         for key in (k for k, ok in works.items() if not ok):
-            raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, groups-per-step"
-                              " >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, zero-variance keep or drop")
+            raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, "
+                              "groups-per-step >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, "
+                              "zero-variance keep or drop")
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.cond = lease_timeout, threading.Condition()
         self.groups, self.nbytes = collections.deque(), 0  # nbytes: group_bytes() of the buffered groups
@@ -248,8 +245,9 @@ class RolloutBuffer:
                 ids.add(g["group_id"])
             fresh, flat = [g for g in new if self._usable(g)], []
             if self.contract["zero_variance"] == "drop":  # equal rewards carry no signal (DAPO's dynamic sampling)
-                self.recent_usable.extend(map(_varied, fresh))
-                flat, fresh = [g for g in fresh if not _varied(g)], [g for g in fresh if _varied(g)]
+                varied = [len({c["reward"] for c in g["completions"]}) > 1 for g in fresh]
+                self.recent_usable.extend(varied)
+                flat, fresh = [g for g, v in zip(fresh, varied) if not v], [g for g, v in zip(fresh, varied) if v]
             size = sum(map(group_bytes, fresh))
             if len(self.groups) + len(fresh) > self.max_groups or self.nbytes + size > self.max_bytes:
                 self.counts["refused_full"] += len(groups)
@@ -273,8 +271,7 @@ class RolloutBuffer:
                     "zero_variance": len(flat), "trainer_version": t}
 
     def take(self, n, timeout, gone=lambda: False):
-        """Up to n groups, oldest first, waiting up to `timeout` s for n to be there (no busy wait); none
-        when `gone()` says the asker hung up meanwhile. Only usable groups are ever buffered."""
+        """Up to n usable groups, oldest first, waiting up to `timeout` s for n (no busy wait); none if `gone()`."""
         with self.cond:
             if self.trainer_version is None:  # the client answers this by announcing its version again
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy forgets it)", 409,
@@ -460,10 +457,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return
         got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
         trainer = not self.token or hmac.compare_digest(got, b"Bearer " + self.token.encode())
-        if not trainer and not (self.rollout_token and hmac.compare_digest(got, b"Bearer " + self.rollout_token.encode())):
+        replica = not trainer and self.rollout_token and hmac.compare_digest(got, b"Bearer " + self.rollout_token.encode())
+        if not (trainer or replica):
             raise ApiError("missing or wrong token: send 'Authorization: Bearer <token>' (the trainer's PROXY_TOKEN, "
                            "or the replicas' ROLLOUT_TOKEN)", 401, {"WWW-Authenticate": "Bearer"})
-        if not trainer and path not in REPLICA_PATHS:
+        if replica and path not in REPLICA_PATHS:
             raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' (--rollout-token, "
                            "ROLLOUT_TOKEN): only the trainer drains /batch, sets the version and ends the run", 403)
         self.buffer.last_request = time.monotonic()  # --linger counts quiet seconds from the last request of the run
@@ -601,8 +599,7 @@ class ProxyServer(ThreadingHTTPServer):
 def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=64, token=None,
           rollout_token=None, request_timeout=30.0, max_connections=256, lease_timeout=120.0, log_every=60.0,
           **contract):
-    """Start the proxy in a daemon thread; returns (server, thread). server.server_address[1] is the port.
-    `contract`: any of CONTRACT's keys (num_generations=8, groups_per_step=16, ...)."""
+    """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1]. **contract: CONTRACT's keys"""
     token, rollout_token = token or None, rollout_token or None
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or --token "
@@ -736,14 +733,12 @@ def main(argv=None):
     a("--max-groups", type=int, default=4096, help="buffer size in groups (429 when full)")
     a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB, ~70 bytes a token (429 when full)")
     a("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
-    a("--request-timeout", type=float, default=30.0, help="seconds a request may take to arrive (and a connection idle)")
+    a("--request-timeout", type=float, default=30.0, help="seconds a whole request may take to arrive")
     a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
     a("--lease-timeout", type=float, default=120.0, help="seconds a replica's quota counts as coming")
-    a("--linger", type=float, default=60.0, help="after /done, exit once every replica was told or after this many "
-      "quiet seconds")
+    a("--linger", type=float, default=60.0, help="after /done, exit once replicas were told or after this many idle s")
     a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's bearer token (default: $PROXY_TOKEN)")
-    a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"), help="the replicas' bearer token: /rollouts, "
-      "/quota, /config, /stats only (default: $ROLLOUT_TOKEN)")
+    a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"), help="the replicas' token (default: $ROLLOUT_TOKEN)")
     args = vars(p.parse_args(argv))
     linger = args.pop("linger")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")

@@ -365,7 +365,12 @@ class Replica:
         if latest is not None and (self.version is None or latest > self.version) and (
                 self.trainer_version is None or latest <= self.trainer_version):
             t0 = time.time()
-            path = self.cache_dir.pull(self.bucket, latest)  # verified against its manifest
+            try:  # verified against its manifest; with an adapter in hand, one look (no waiting)
+                path = self.cache_dir.pull(self.bucket, latest, timeout=60.0 if self.version is None else 0)
+            except BucketError:  # a mount can show LATEST before the files: keep generating, look again soon
+                if self.version is None:
+                    raise
+                return
             t1 = time.time()
             self.engine.load_adapter(latest, path)  # hot: no engine restart
             self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again

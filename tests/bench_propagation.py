@@ -1,7 +1,7 @@
 """Benchmark: how fast a published adapter reaches the replicas on each bucket path (a directory, a
 mounted bucket that lags like hf-mount, S3), and how many requests the replicas make meanwhile.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_propagation.py          # 5 runs, ~7 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_propagation.py          # 5 runs, ~8 min on 2 idle cores
     .venv/bin/python tests/bench_propagation.py --runs mount:4:20 mount:0:4 --lag 10 30 --replicas 1
 
 Each run is a whole local system: `python proxy.py` (the run's contract, as jobs.sh gives it), --replicas
@@ -19,9 +19,10 @@ subprocesses with one thread each. A run is KIND:S[:STEPS] (STEPS: the trainer's
 
 The trainer's step takes seconds like a GPU step of the HF default: the tiny model is fast, so the
 step is made big through the contract only (proxy flags: --groups-per-step 16, G 8, --max-new-tokens
-256; the random tiny model rarely stops early, so ~34k completion tokens per step). No role's code
-or flags are changed. Between the replicas and the proxy (and the trainer and the proxy, and, for
-s3, each role and the S3 server) sits a relay that counts HTTP requests by method and path.
+256: 128 completions of ~95 tokens, the random tiny model often stops early; ~8 s per step on an
+idle 2-core machine, 2-3x that when other processes take the CPUs). No role's code or flags change.
+Between each role and the proxy (and, for s3, each role and the S3 server) sits a relay that counts
+HTTP requests by method and path.
 
 Per run, over the trainer's steps 2..N (step 1 waits for the replicas to load the model):
   s/step, wait       seconds per trainer step; the trainer's wait_s (blocked on GET /batch) / wall
