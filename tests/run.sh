@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash setup.sh --test
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest tests -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra "${@:-tests}"   # no arguments: the whole suite
