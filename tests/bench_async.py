@@ -26,6 +26,7 @@ line is kept with the time it arrived, in --out/<run>/<role>.log.
 """
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -44,7 +45,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
 from conftest import free_port, wait_port  # noqa: E402
-from proxy import ProxyClient  # noqa: E402
 
 BATCH = re.compile(r"\] batch \d+ v(\d+) \(trainer v\d+\) \d+ groups [\d.]+ groups/s .*accepted (\d+) stale (\d+)"
                    r" gen ([\d.]+)s")
@@ -152,7 +152,9 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=()):
         roles += [*replicas, trainer]
         if trainer.proc.wait(timeout=1800) != 0:
             sys.exit(f"bench: trainer failed (S={staleness}):\n{trainer.tail()}\nreplica-0:\n{replicas[0].tail()}")
-        stats = ProxyClient(url, max_wait=10).stats()
+        roles[0].proc.wait(timeout=120)  # the run ends by itself: the proxy exits once the replicas were told
+        stats = ast.literal_eval(next(line for _, line in roles[0].lines if "proxy: stopped: " in line)
+                                 .split("proxy: stopped: ", 1)[1])  # its final counters
     finally:
         for r in reversed(roles):
             r.stop()
