@@ -117,3 +117,18 @@ def hf_run_name():
             f.write(saved)
     elif os.path.exists(last):
         os.remove(last)
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model):
+    """trainer.build_model on the tiny model with a random (nonzero) LoRA B, so every LoRA weight has a gradient."""
+    import torch
+
+    import trainer
+
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
+            torch.nn.init.normal_(p, std=0.05)
+    return model

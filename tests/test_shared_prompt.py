@@ -93,16 +93,6 @@ def trl_loss(logps, seqs, advantages, loss_type, microbatches, ref=None, beta=0.
 
 
 @pytest.fixture(scope="module")
-def lora_model(tiny_model):
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
-            torch.nn.init.normal_(p, std=0.05)
-    return model
-
-
-@pytest.fixture(scope="module")
 def seqs(lora_model):
     return make_groups(lora_model)
 

@@ -72,16 +72,6 @@ def fake_groups(model, n_groups, seed):
     return groups
 
 
-@pytest.fixture(scope="module")
-def lora_model(tiny_model):
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
-            torch.nn.init.normal_(p, std=0.05)
-    return model
-
-
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])  # bnpo: per micro-batch, as TRL (by design)
 def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
