@@ -162,7 +162,6 @@ def test_proxy_killed_and_restarted_loses_only_its_buffer(running):
         time.sleep(0.5)
         after = s.stats()
         recs = sync.read_metrics(s.bucket)
-        text = s.trainer.text()
     finally:
         s.trainer.signal(signal.SIGCONT)
     check_accounting(after)
