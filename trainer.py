@@ -32,7 +32,7 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 4. Groups whose rewards are all equal count toward groups_per_step, as in TRL (they have zero
    advantage, so with beta = 0 they are not even forwarded, but their tokens stay in the
    normaliser). The proxy's --zero-variance drop gives DAPO's dynamic sampling instead.
-5. Constant learning rate, no warmup (TRL decays linearly by default); AdamW, no weight decay.
+5. --lr-scheduler-type linear (TRL's default) or constant, no warmup; AdamW, no weight decay.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
 7. Completions longer than max_completion_length are cut to it (the proxy's max_new_tokens
@@ -70,19 +70,19 @@ def parse_args(argv=None):
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.
     a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
     a("--groups-per-step", type=int, help="groups (prompts) per optimizer step (default: the proxy's)")
-    a("--max-staleness", type=int, help="the proxy's staleness bound; sets how many versions to keep (default: the proxy's)")
-    a("--temperature", type=float, help="the replicas' sampling temperature: logits are divided by it (default: the proxy's)")
-    a("--max-completion-length", type=int, help="the replicas' max new tokens; dr_grpo's normaliser (default: the proxy's)")
+    a("--max-staleness", type=int, help="the proxy's staleness bound; sets the versions kept (default: the proxy's)")
+    a("--temperature", type=float, help="the replicas' sampling temperature; divides logits (default: the proxy's)")
+    a("--max-completion-length", type=int, help="max_new_tokens; dr_grpo's normaliser (default: the proxy's)")
     # the loss, as TRL names it
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
-    a("--delta", type=float, default=None, help="two-sided clipping: the ratio is also capped at delta when the "
-      "advantage is negative (TRL's delta; > 1 + epsilon_high; default: off)")
+    a("--delta", type=float, help="TRL's two-sided clip: ratio <= delta (> 1 + epsilon_high) if advantage < 0")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"], help="loss normalisation, as in TRL")
-    a("--scale-rewards", default="group", choices=["group", "batch", "none"],
-      help="divide advantages by the group's std, the batch's, or nothing")
-    a("--learning-rate", type=float, default=3e-4, help="AdamW learning rate (constant)")
+    a("--scale-rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
+    a("--learning-rate", type=float, default=3e-4, help="AdamW's initial learning rate")
+    a("--lr-scheduler-type", default="linear", choices=["linear", "constant"],
+      help="linear: decays to 0 at --max-steps (TRL's default); constant")
     a("--max-grad-norm", type=float, default=1.0, help="clip the LoRA gradient's global norm to this")
     a("--max-steps", type=int, default=500, help="stop after this many optimizer steps (counted across restarts)")
     a("--micro-batch-tokens", type=int, default=8192, help="tokens (padding counted) per forward/backward pass")
@@ -104,15 +104,13 @@ def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    cuda = torch.cuda.is_available()
-    base = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.bfloat16 if cuda else torch.float32)
-    base = base.to("cuda" if cuda else "cpu")
+    dtype, device = (torch.bfloat16, "cuda") if torch.cuda.is_available() else (torch.float32, "cpu")
+    base = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
     base.config.use_cache = False
     targets = lora_target if lora_target == "all-linear" else [t.strip() for t in lora_target.split(",")]
-    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=targets,
-                        task_type="CAUSAL_LM")
+    lora = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     torch.manual_seed(seed)
-    return get_peft_model(base, config)  # adapter weights are kept in fp32 (autocast_adapter_dtype)
+    return get_peft_model(base, lora)  # adapter weights are kept in fp32 (autocast_adapter_dtype)
 
 
 def lora_parameters(model):
@@ -124,14 +122,10 @@ def lora_parameters(model):
 def flatten_groups(groups, max_completion_length):
     """Groups (proxy JSON) -> one record per completion, in group order. "group" is the group's index
     in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
-    seqs = []
-    for k, g in enumerate(groups):  # the proxy checked each group: G completions, one log-prob per id
-        for c in g["completions"]:
-            cut = len(c["ids"]) > max_completion_length
-            seqs.append({"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
-                         "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
-                         "policy_version": int(g["policy_version"]), "truncated": cut, "group": k})
-    return seqs
+    return [{"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
+             "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
+             "policy_version": int(g["policy_version"]), "truncated": len(c["ids"]) > max_completion_length, "group": k}
+            for k, g in enumerate(groups) for c in g["completions"]]  # proxy-checked: G completions, a log-prob per id
 
 
 def by_group(seqs, idx):
@@ -143,10 +137,9 @@ def by_group(seqs, idx):
 
 
 def make_microbatches(seqs, max_tokens):
-    """Split the step into micro-batches of whole groups of at most max_tokens each, padding counted
-    and each group's prompt once (it goes through the model once): k groups holding n completions
-    cost k * (longest prompt) + n * (longest completion). Longest first, so that an out-of-memory
-    shows up on the first pass; a group over the budget goes alone. Returns lists of indices."""
+    """Split the step into micro-batches of whole groups, at most max_tokens each (padding counted, and each
+    group's prompt once: k groups of n completions cost k * longest prompt + n * longest completion). Longest
+    first, so that an out-of-memory shows on the first pass; a group over budget goes alone. Returns index lists."""
     def cost(gs):
         return (len(gs) * max(len(seqs[g[0]]["prompt_ids"]) for g in gs)
                 + sum(map(len, gs)) * max(len(seqs[i]["ids"]) for g in gs for i in g))
@@ -161,18 +154,21 @@ def make_microbatches(seqs, max_tokens):
 
 
 def collate(seqs, idx, advantages, device):
-    """The tensors of the shared-prompt forward of rows idx: each group's prompt once, left-padded
-    ([pad.. prompt], k rows), and the n completions right-padded ([completion ..pad]), row r
+    """The tensors of the shared-prompt forward of rows idx: the prompts' common prefix once (prefix_ids,
+    one row: a chat template's system prompt), the rest of each group's prompt once, left-padded after it
+    ([prefix | pad.. rest], k rows), and the n completions right-padded ([completion ..pad]), row r
     continuing prompt row_prompt[r]. Rows keep idx's order. Padding is id 0; the masks hide it."""
     groups = by_group(seqs, idx)
-    P = max(len(seqs[g[0]]["prompt_ids"]) for g in groups)
+    prompts = [seqs[g[0]]["prompt_ids"] for g in groups]
+    L = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)  # every rest keeps >= 1 token
+    P = max(map(len, prompts)) - L
     C = max(len(seqs[i]["ids"]) for i in idx)
-    prompt_ids = torch.zeros((len(groups), P), dtype=torch.long)  # (k, P)
-    prompt_mask = torch.zeros_like(prompt_ids)  # (k, P) 1 on prompt tokens
-    for j, g in enumerate(groups):
-        pr = seqs[g[0]]["prompt_ids"]
-        prompt_ids[j, P - len(pr):] = torch.tensor(pr)
-        prompt_mask[j, P - len(pr):] = 1
+    prompt_ids = torch.zeros((len(groups), P), dtype=torch.long)  # (k, P) the rests of the prompts
+    rest_mask = torch.zeros_like(prompt_ids)  # (k, P) 1 on their tokens
+    for j, pr in enumerate(prompts):
+        prompt_ids[j, P - len(pr) + L:] = torch.tensor(pr[L:])
+        rest_mask[j, P - len(pr) + L:] = 1
+    prompt_mask = torch.cat([torch.ones((len(groups), L), dtype=torch.long), rest_mask], 1)  # (k, L + P)
     group_of = {i: j for j, g in enumerate(groups) for i in g}
     row_prompt = torch.tensor([group_of[i] for i in idx])  # (n,) the prompt row of each completion
     completion_ids = torch.zeros((len(idx), C), dtype=torch.long)  # (n, C)
@@ -184,32 +180,37 @@ def collate(seqs, idx, advantages, device):
         old[r, :len(ids)] = torch.tensor(seqs[i]["logprobs"])
         mask[r, :len(ids)] = 1.0
     prompt_len = prompt_mask.sum(-1)[row_prompt]  # (n,)
-    mb = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-          "prompt_positions": (prompt_mask.cumsum(-1) - 1).clamp(min=0),  # (k, P) positions as if unpadded
+    mb = {"prefix_ids": torch.tensor(prompts[0][:L]).view(1, L), "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+          "prompt_positions": L + (rest_mask.cumsum(-1) - 1).clamp(min=0),  # (k, P) positions as if unpadded
           "row_prompt": row_prompt, "completion_ids": completion_ids,
           "completion_positions": prompt_len.unsqueeze(1) + torch.arange(C),  # (n, C) they follow the prompt
-          "attention_mask": torch.cat([prompt_mask[row_prompt], mask.long()], 1),  # (n, P + C) prompt | completion
+          "attention_mask": torch.cat([prompt_mask[row_prompt], mask.long()], 1),  # (n, L + P + C)
           "old_logprobs": old, "mask": mask, "advantages": advantages[list(idx)]}
     return {k: t.to(device) for k, t in mb.items()}
 
 
 def completion_logprobs(model, mb, temperature=1.0):
-    """Current log-probs (n, C) of the completion tokens, each group's prompt through the model once.
+    """Current log-probs (n, C) of the completion tokens, each prompt token through the model once.
 
-    1. The k prompts: their KV cache, and the logits of their last position, which predict the
-       first token of each of their completions.
-    2. The cache repeated for each prompt's completions (k -> n rows), and the completions forwarded
-       on top of it. The gradient reaches the prompt's activations through the cache, so values and
-       gradients are those of one [prompt | completion] pass per row, with the prompt's compute
+    1. The common prefix of the prompts (one row), its KV cache repeated for the k prompts.
+    2. The rests of the k prompts on top of it: their KV cache, and the logits of their last
+       position, which predict the first token of each of their completions.
+    3. The cache repeated for each prompt's completions (k -> n rows), and the completions forwarded
+       on top of it. The gradient reaches the prompts' activations through the caches, so values and
+       gradients are those of one [prompt | completion] pass per row, with the prompts' compute
        done once instead of G times. The last completion token predicts nothing we need: left out.
     """
+    cache = None  # use_cache=True below: the base config says False (build_model)
+    if mb["prefix_ids"].shape[1]:
+        cache = model(input_ids=mb["prefix_ids"], use_cache=True, logits_to_keep=1).past_key_values  # (1, h, L, d)
+        cache.batch_repeat_interleave(mb["prompt_ids"].shape[0])  # each layer's keys/values -> (k, h, L, d)
     out = model(input_ids=mb["prompt_ids"], attention_mask=mb["prompt_mask"], position_ids=mb["prompt_positions"],
-                use_cache=True, logits_to_keep=1)  # use_cache: the base config says False (build_model)
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
     first = out.logits[mb["row_prompt"]]  # (n, 1, V) the last prompt logits, once per completion
     logps = [grpo_loss.token_logprobs(first, mb["completion_ids"][:, :1], temperature)]  # (n, 1)
     if mb["completion_ids"].shape[1] > 1:
         cache = out.past_key_values
-        cache.batch_select_indices(mb["row_prompt"])  # each layer's keys/values (k, h, P, d) -> (n, h, P, d)
+        cache.batch_select_indices(mb["row_prompt"])  # (k, h, L + P, d) -> (n, h, L + P, d)
         logits = model(input_ids=mb["completion_ids"][:, :-1], attention_mask=mb["attention_mask"][:, :-1],
                        position_ids=mb["completion_positions"][:, :-1], past_key_values=cache,
                        use_cache=True).logits  # (n, C-1, V) position j predicts completion token j+1
@@ -287,9 +288,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 # ----------------------------------------------------------------------------- data
 
 def gather_groups(client, n, wait_timeout, bucket_url, vocab_size):
-    """Long-poll the proxy until n groups are in hand. The proxy hands out only usable groups: at most
-    max_staleness versions old (and with --zero-variance drop, only groups whose rewards differ). A group
-    with a token id outside the model's vocabulary (a broken or hostile replica) is dropped here."""
+    """Long-poll the proxy until n groups are in hand: usable ones (at most max_staleness versions old; with
+    --zero-variance drop, unequal rewards), less any with a token id past the vocabulary (a broken/hostile replica)."""
     groups, start, last_log = [], time.time(), time.time()
     while len(groups) < n:
         waited = time.time() - start
@@ -320,15 +320,14 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
         model.save_pretrained(d)
         sync.publish_adapter(bucket, d, version, keep=keep, base_model=base_model, step=step)
         if state is not None:
+            rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
             torch.save(dict(state, optimizer=optimizer.state_dict(), rng_python=random.getstate(),
-                            rng_torch=torch.get_rng_state(),
-                            rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
-                       os.path.join(d, "state.pt"))
+                            rng_torch=torch.get_rng_state(), rng_cuda=rng_cuda), os.path.join(d, "state.pt"))
             sync.save_trainer_state(bucket, d)
 
 
 def restore_state(model, optimizer, state_dir, state):
-    """Load the LoRA weights, optimizer and RNGs that save_state wrote to state_dir."""
+    """Load the LoRA weights, optimizer and RNGs that publish saved (state_dir: load_trainer_state's)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -341,39 +340,24 @@ def restore_state(model, optimizer, state_dir, state):
 
 
 def starting_version(state, latest, seen=()):
-    """(version, publish?) for a trainer starting with resume state `state` (or None) on a bucket
-    whose LATEST is `latest` (or None) and that holds files of versions `seen` (complete or torn by
-    a kill mid-publish). A number the bucket has seen is never published again; the bucket's
-    newest adapter is reused only when it holds exactly the saved weights."""
-    if state and state["published_step"] == state["step"] and latest == state["version"] \
-            and max(seen, default=-1) <= latest:
+    """(version, publish?) for a trainer starting with resume state `state` (or None) on a bucket whose LATEST
+    is `latest` (or None), holding files of versions `seen` (complete or torn by a kill mid-publish). A number
+    the bucket has seen is never published again; LATEST is reused only if it holds exactly the saved weights."""
+    if state and state["published_step"] == state["step"] and latest == state["version"] >= max(seen, default=-1):
         return state["version"], False
     known = [v for v in (latest, state["version"] if state else None, *seen) if v is not None]
     return (1 + max(known) if known else 0), True
-
-
-def make_reporter(kind, args):
-    """The trackio or wandb module, initialised (both have init/log/finish); None for "none"."""
-    if kind == "none":
-        return None
-    try:
-        mod = __import__(kind)
-    except ImportError:
-        raise TrainerError(f"--report-to {kind} needs the {kind} package: pip install {kind} (or --report-to none)")
-    mod.init(project="async-grpo-lora", config=vars(args))
-    return mod
 
 
 # ----------------------------------------------------------------------------- main
 
 def train(args):
     bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
-    client = ProxyClient(args.proxy, token=os.environ.get("PROXY_TOKEN"))
-    given = {k: getattr(args, k) for k in CONTRACT_FLAGS}
+    client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN
+    proxy_name = {"max_completion_length": "max_new_tokens"}  # TRL's name -> the proxy's
     contract = client.contract(flags={"max_new_tokens": "--max-completion-length"},  # a wrong URL/token ends here
-                               **dict(given, max_new_tokens=given.pop("max_completion_length")))
-    for k in CONTRACT_FLAGS:  # the run's settings are the proxy's (an explicit flag that differs failed above)
-        setattr(args, k, contract["max_new_tokens" if k == "max_completion_length" else k])
+                               **{proxy_name.get(k, k): getattr(args, k) for k in CONTRACT_FLAGS})
+    vars(args).update({k: contract[proxy_name.get(k, k)] for k in CONTRACT_FLAGS})  # the run's settings: the proxy's
     tmp = tempfile.TemporaryDirectory()
     state_dir = sync.load_trainer_state(bucket, tmp.name)
     try:  # weights_only: a state.pt planted in the bucket cannot run code here
@@ -389,15 +373,19 @@ def train(args):
     version, must_publish = starting_version(state, latest, sync.versions(bucket))
     if latest is not None and not state:
         print(f"note: {bucket.url} already holds adapters up to v{latest}; this run starts at v{version}")
-    reporter = make_reporter(args.report_to, args)
+    reporter, kind = None, args.report_to  # --report-to: the trackio or wandb module (both have init/log/finish)
+    if kind != "none":
+        try:
+            reporter = __import__(kind)
+        except ImportError:
+            raise TrainerError(f"--report-to {kind} needs the {kind} package: pip install {kind} (or --report-to none)")
+        reporter.init(project="async-grpo-lora", config=vars(args))
     random.seed(args.seed)
     model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed)
     model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
-    params = lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(lora_parameters(model), lr=args.learning_rate, weight_decay=0.0)
     keep = args.max_staleness + 2  # versions kept in the bucket: every one a replica may still be using
-
-    step, groups_consumed = 0, 0
+    step, groups_consumed = (state["step"], state["groups_consumed"]) if state else (0, 0)
     if state:
         try:
             restore_state(model, optimizer, state_dir, state)
@@ -407,7 +395,6 @@ def train(args):
                                f"{saved.get('lora_r')}) does not fit --model {args.model} --lora-r {args.lora_r} "
                                f"({str(e).strip().splitlines()[0][:160]}): run with that run's settings, or "
                                "another --bucket") from None
-        step, groups_consumed = state["step"], state["groups_consumed"]
     tmp.cleanup()
 
     def publish_and_save(version, save):
@@ -436,12 +423,13 @@ def train(args):
         stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
                                           args.epsilon_high, args.beta, args.max_completion_length,
                                           args.temperature, args.delta, version)  # loss, ratios, approx_kl, ...
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
+        for g in optimizer.param_groups:  # the schedule: a function of the step, so a resume continues it
+            g["lr"] = args.learning_rate * (1 - step / args.max_steps if args.lr_scheduler_type == "linear" else 1)
         if finite:
             optimizer.step()
         else:  # one poisoned group must not reach the weights: skip the update, publish the same weights
-            optimizer.zero_grad(set_to_none=True)
             print(f"step {step + 1}: loss {stats['loss']} / gradient norm {grad_norm}: not finite, update skipped",
                   file=sys.stderr)
         step += 1
@@ -461,13 +449,12 @@ def train(args):
         sync.append_metrics(bucket, rec)
         if reporter:  # the same numbers (lists and dicts left out)
             reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
+        kl = f" kl {rec['kl']:.4f}" if args.beta > 0 else ""
         print(f"step {step} v{version} | reward {rec['reward_mean']:.3f} ± {rec['reward_std']:.3f} | groups "
               f"{len(groups)} ({flat} all-equal) | stale {rec['staleness_mean']:.2f}/{rec['staleness_max']} | "
               f"loss {rec['loss']:.4f} ratio {rec['ratio_mean'] or 1:.4f} (max {rec['ratio_max'] or 1:.2f}) "
-              f"approx_kl {rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}" +
-              (f" kl {rec['kl']:.4f}" if args.beta > 0 else "") +
-              f" | gnorm {grad_norm:.3f} | wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s "
-              f"{rec['tokens_per_s']:.0f} tok/s")
+              f"approx_kl {rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}{kl} | gnorm {grad_norm:.3f} | "
+              f"wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s {rec['tokens_per_s']:.0f} tok/s")
         version += 1  # one version per optimizer step
         publish_and_save(version, save=step % args.save_every == 0 or step == args.max_steps)
     client.done()  # replicas learn it from /quota and exit; the proxy exits after them
@@ -478,9 +465,8 @@ def train(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    for flag in ("save_every", "micro_batch_tokens"):
-        if getattr(args, flag) < 1:
-            sys.exit(f"trainer.py: error: --{flag.replace('_', '-')} must be >= 1")
+    if too_small := [f for f in ("save_every", "micro_batch_tokens") if getattr(args, f) < 1]:
+        sys.exit(f"trainer.py: error: --{too_small[0].replace('_', '-')} must be >= 1")
     sys.stdout.reconfigure(line_buffering=True)  # each log line reaches a piped log (or a watcher) at once
     try:
         train(args)

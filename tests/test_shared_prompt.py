@@ -21,9 +21,10 @@ import grpo_loss
 import trainer
 
 G, T, EPS, EPS_HIGH, MAX_LEN = 4, 0.7, 0.2, 0.28, 16
-PROMPT_LENGTHS = [3, 11, 6, 14, 5]
+PROMPT_LENGTHS = [3, 11, 6, 14, 5]  # after a common prefix of PREFIX tokens, as a chat template's system prompt
+PREFIX = 4
 EQUAL_GROUP = 3  # its rewards are all equal
-BUDGET = 100  # --micro-batch-tokens: 3 micro-batches, the equal-reward group sharing one
+BUDGET = 108  # --micro-batch-tokens: 3 micro-batches, the equal-reward group sharing one
 
 
 def plain_logprobs(model, seqs, idx, temperature):
@@ -44,9 +45,10 @@ def plain_logprobs(model, seqs, idx, temperature):
     return grpo_loss.token_logprobs(logits, input_ids[:, P:].to(device), temperature)  # (n, C)
 
 
-def make_groups(model, seed=0):
+def make_groups(model, seed=0, prefix=PREFIX):
     """Groups in the proxy's JSON form; sampler log-probs = the model's own (plain path) + noise."""
     rng = random.Random(seed)
+    shared = [rng.randrange(4, 100) for _ in range(prefix)]
     groups = []
     for k, P in enumerate(PROMPT_LENGTHS):
         comps = []
@@ -54,7 +56,7 @@ def make_groups(model, seed=0):
             ids = [rng.randrange(4, 100) for _ in range(rng.randint(1, 9))]
             reward = 1.0 if k == EQUAL_GROUP else float((c + k) % 3 == 0)
             comps.append({"ids": ids, "logprobs": [0.0] * len(ids), "reward": reward})
-        groups.append({"prompt_ids": [rng.randrange(4, 100) for _ in range(P)], "completions": comps,
+        groups.append({"prompt_ids": shared + [rng.randrange(4, 100) for _ in range(P)], "completions": comps,
                        "policy_version": k % 3, "group_id": f"g{k}", "worker": "w"})
     seqs = trainer.flatten_groups(groups, MAX_LEN)
     with torch.no_grad():
@@ -102,13 +104,20 @@ def lora_grads(model):
 
 
 def test_logprobs_equal_the_plain_forward(lora_model, seqs):
-    adv = torch.zeros(len(seqs))
-    splits = [list(range(len(seqs))), *trainer.make_microbatches(seqs, BUDGET), [5, 0, 17, 6]]  # any rows, any order
+    # a common prefix (seqs), none (prompts that differ from their first token), one prompt inside another
+    unshared = make_groups(lora_model, seed=1, prefix=0)
+    nested = [dict(s, prompt_ids=seqs[G]["prompt_ids"][:PREFIX + 1]) if s["group"] == 0 else s for s in seqs]
+    adv, every = torch.zeros(len(seqs)), list(range(len(seqs)))
+    cases = [(seqs, every, PREFIX), (unshared, every, 0),
+             (nested, list(range(2 * G)), PREFIX),  # group 0's prompt is the start of group 1's: capped
+             (seqs, [7], PREFIX + PROMPT_LENGTHS[1] - 1),  # one prompt: all of it but its last token
+             *[(seqs, idx, None) for idx in trainer.make_microbatches(seqs, BUDGET) + [[5, 0, 17, 6]]]]  # any rows
     with torch.no_grad():
-        for idx in splits:
-            mb = trainer.collate(seqs, idx, adv, "cpu")
+        for data, idx, prefix in cases:
+            mb = trainer.collate(data, idx, adv, "cpu")
+            assert prefix is None or mb["prefix_ids"].shape[1] == prefix
             got = trainer.completion_logprobs(lora_model, mb, T)  # (n, C)
-            want = plain_logprobs(lora_model, seqs, idx, T)  # (n, C)
+            want = plain_logprobs(lora_model, data, idx, T)  # (n, C)
             torch.testing.assert_close(got * mb["mask"], want * mb["mask"], atol=2e-5, rtol=1e-5)
 
 

@@ -217,6 +217,8 @@ def test_run_learns_the_toy_task(cluster, tiny_model):
     assert len(loaded) >= 5, "the replica should have hot-loaded several published versions"
     assert all(k in recs[-1] for k in ("loss", "ratio_mean", "clip_low_frac", "grad_norm", "wait_s", "tokens_per_s",
                                        "approx_kl", "clip_frac", "by_staleness"))
+    lr = [1e-3 * (1 - i / 24) for i in range(24)]  # --lr-scheduler-type linear (the default): 1e-3 down to 0
+    assert [m["learning_rate"] for m in recs] == pytest.approx(lr)
     assert cluster.replica.wait(timeout=60) == 0, "the replica exits by itself once the trainer is done"
     assert "the trainer is done" in cluster.replica_log.read_text()
 
@@ -259,6 +261,7 @@ def test_sigkill_and_restart_resumes(cluster):
     assert {m["step"] for m in recs} == set(range(1, 17))
     resumed = [m for m in recs if m["version"] >= v2[0]]
     assert [m["step"] for m in resumed] == list(range(5, 17))  # steps 5..7 of run 1 were redone
+    assert [m["learning_rate"] for m in resumed] == pytest.approx([1e-3 * (1 - i / 16) for i in range(4, 16)])
     last = json.loads(open(os.path.join(cluster.bucket, "adapters", f"v{v2[-1]:06d}", "manifest.json")).read())
     assert last["step"] == 16
 
