@@ -71,7 +71,7 @@ show_settings() {
            TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R LORA_ALPHA LOSS_TYPE BETA \
            SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
            TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT TRAINER_ARGS ROLLOUT_ARGS; do
-    eval "[ -n \"\${$v+x}\" ] && printf '  %-17s %s\n' $v \"\$$v\"" || true
+    eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
 }
 

@@ -186,8 +186,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(seed)
-        self.torch = torch
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.torch, self.device = torch, "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
@@ -227,10 +226,9 @@ class HFEngine:
         return (row, "length") if end is None else (row[:end], "stop")
 
     def _prefill(self, ids, mask, L, n):
-        """The KV cache of every prompt token but the last, each computed once: the common prefix for all the
-        prompts (one row), then each prompt's rest; repeated n times (num_return_sequences copies each prompt
-        n times before the forward). Given a cache one token short of input_ids, generate runs only that
-        last token and the new ones (its _prefill slices input_ids). Positions: as generate derives them."""
+        """The KV cache of every prompt token but the last, each computed once (the common prefix for all
+        prompts, then each one's rest) and repeated n times: num_return_sequences would copy each prompt n times.
+        Given a cache one token short of input_ids, generate runs only that last token and the new ones."""
         cache, W = None, ids.shape[1]
         if L:
             cache = self.model(input_ids=ids[:1, :L], use_cache=True, logits_to_keep=1).past_key_values  # (1, h, L, d)
@@ -317,8 +315,7 @@ class Replica:
         self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = self.trainer_version = None  # adapter version in the engine; the trainer's, from /quota
-        self.reload_s, self.batches = 0.0, 0
-        self.why, self.lag_logged = None, None  # the wait reason and the lagging version last logged (once each)
+        self.reload_s, self.batches, self.why, self.lag_logged = 0.0, 0, None, None  # why, lag_logged: logged once
 
     def log(self, msg):
         print(f"[{self.worker}] {msg}", flush=True)
@@ -354,8 +351,7 @@ class Replica:
         if q["state"] == "done":
             self.log(f"the trainer is done (v{t}): exiting after {self.batches} batches")
             return False
-        lagging = t is not None and t > self.version
-        if lagging:  # the newest adapter makes the same groups fresher
+        if lagging := t is not None and t > self.version:  # the newest adapter makes the same groups fresher
             self.refresh()
             lagging = t > self.version  # still: not visible in the bucket yet (a mount lags 10-30 s)
             if lagging and self.lag_logged != t:
@@ -397,9 +393,8 @@ class Replica:
                  f"{len(groups) / gen_s:.2f} groups/s {n_tokens / gen_s:.0f} tokens/s reward "
                  f"{sum(rewards) / len(rewards):.3f} reload {self.reload_s:.2f}s accepted {reply.get('accepted')} "
                  f"stale {reply.get('stale')} gen {gen_s:.3f}s")
-        s = {"version": self.version, "accepted": reply.get("accepted"), "stale": reply.get("stale"),
-             "reload_s": self.reload_s, "group_ids": [g["group_id"] for g in groups]}
-        self.reload_s = 0.0
+        s, self.reload_s = {"version": self.version, "accepted": reply.get("accepted"), "stale": reply.get("stale"),
+                            "reload_s": self.reload_s, "group_ids": [g["group_id"] for g in groups]}, 0.0
         return s
 
 

@@ -97,8 +97,8 @@ def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
     assert micro_stats["ratio_mean"] == pytest.approx(full_stats["ratio_mean"], rel=1e-5)
     if beta:
         assert full_stats["kl"] > 0 and micro_stats["kl"] == pytest.approx(full_stats["kl"], rel=1e-4)
-    for a, b in zip(micro, full):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    for a, b in zip(micro, full):  # fp32: alone, a group's prompt is forwarded as a common prefix + its last token
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
 
 
 def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_path):
