@@ -302,7 +302,7 @@ def loaded_versions(s):
 def test_directory_bucket_outage_trainer_retries_replicas_keep_serving(running):
     s = running
     bucket, away = s.bucket, s.bucket + ".away"
-    first = next_step(s)  # a step just ended: its publish and metrics line land in the outage
+    next_step(s)  # a step just ended: its publish and metrics line land in the outage
     batches = {r.name: len(re.findall(r"\] batch \d+ ", r.current())) for r in s.replicas()}
     os.rename(bucket, away)
     with open(bucket, "w") as f:  # a file where the folder was: every write fails, even for root
@@ -327,7 +327,7 @@ def test_directory_bucket_outage_trainer_retries_replicas_keep_serving(running):
     recs = sync.read_metrics(bucket)
     # every step has its metrics line, the ones written during the outage included (the trainer prints a
     # step's line after writing its metrics, so counting lines read before next_step() would race)
-    assert last >= first + 2 and set(range(1, last + 1)) <= {m["step"] for m in recs}, "a metrics line was lost"
+    assert set(range(1, last + 1)) <= {m["step"] for m in recs}, "a metrics line was lost"
     print(f"\nbucket folder gone for 6 s: the trainer retried and went on to step {last}; replicas {serving} "
           "kept serving their adapter")
 
