@@ -174,12 +174,27 @@ class VLLMEngine:
         return [out.outputs[0].text for out in self._run(prompt_ids_list, temperature=0.0, max_tokens=max_new_tokens)]
 
 
+def inverse_cdf_sampler(temperature):
+    """The hf engine's sampler, as a logits processor: one token per row from softmax(logits / T), drawn by
+    inverse CDF (one uniform per row, where torch.multinomial draws one exponential per vocabulary entry:
+    ~8% of a step's sampling time here), and returned as the row's only finite score, so that generate's
+    greedy argmax picks it. out.logits stay the raw logits: the log-probs are those of this distribution."""
+    import torch
+
+    def sample(input_ids, scores):  # scores: (rows, V) the raw logits of the next position
+        cdf = torch.softmax(scores.float() / temperature, dim=-1).cumsum(-1, dtype=torch.float64)  # (rows, V)
+        u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device) * cdf[:, -1:]  # (rows, 1)
+        picked = torch.searchsorted(cdf, u, right=True).clamp(max=scores.shape[1] - 1)  # (rows, 1) first cdf > u
+        return torch.full_like(scores, -float("inf")).scatter_(1, picked, 0.0)  # (rows, V)
+
+    return sample
+
+
 class HFEngine:
     """transformers + peft generate: for machines without vLLM. Same outputs as VLLMEngine."""
 
     name = "hf"
     PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)  # override a checkpoint's generation_config
-    SAMPLING = dict(PLAIN, top_k=0, top_p=1.0, min_p=None, typical_p=1.0)  # sample from softmax(logits / T)
 
     def __init__(self, model, seed=0, batch_size=64):
         import torch
@@ -250,9 +265,10 @@ class HFEngine:
                 cache = self._prefill(ids, mask, L, n)
                 out = self.model.generate(input_ids=ids.repeat_interleave(n, 0),  # (P*n, W); only column W-1 is run
                                           attention_mask=mask.repeat_interleave(n, 0), past_key_values=cache,
-                                          do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
-                                          eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                                          return_dict_in_generate=True, output_logits=True, **self.SAMPLING)
+                                          do_sample=False, logits_processor=[inverse_cdf_sampler(temperature)],
+                                          max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                                          pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True,
+                                          **self.PLAIN)
                 new = out.sequences[:, ids.shape[1]:]  # (P*n, T) sampled ids, rows prompt-major
                 # out.logits: T raw (P*n, V) tensors; the sampled distribution is softmax(logits / T)
                 token_logps = self.torch.stack([self.torch.log_softmax(step.float() / temperature, dim=-1)

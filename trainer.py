@@ -31,7 +31,8 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 3. One optimizer step per batch (TRL's num_iterations = 1, mu = 1 in the paper).
 4. Groups whose rewards are all equal count toward groups_per_step, as in TRL (they have zero
    advantage, so with beta = 0 they are not even forwarded, but their tokens stay in the
-   normaliser). The proxy's --zero-variance drop gives DAPO's dynamic sampling instead.
+   normaliser; a step of only such groups still applies AdamW's momentum, as TRL's does). The
+   proxy's --zero-variance drop gives DAPO's dynamic sampling instead.
 5. --lr-scheduler-type linear (TRL's default) or constant, no warmup; AdamW, no weight decay.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
@@ -419,7 +420,7 @@ def train(args):
         mbs = make_microbatches(seqs, args.micro_batch_tokens)
         rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
         advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)  # (B,)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)  # zeros, not None: all-equal groups still step AdamW's momentum, as TRL
         stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
                                           args.epsilon_high, args.beta, args.max_completion_length,
                                           args.temperature, args.delta, version)  # loss, ratios, approx_kl, ...

@@ -3,6 +3,7 @@
     .venv/bin/python tests/bench_vs_trl.py                           # the race: ~30 min on 2 cores
     .venv/bin/python tests/bench_vs_trl.py --steps 2 --eval-limit 8  # a smoke run of the whole path, ~5 min
     .venv/bin/python tests/bench_vs_trl.py --skip-trl                # ours again; TRL's side from its JSON
+    .venv/bin/python tests/bench_vs_trl.py --check-update 4          # same batches, same update? ~3 min
 
 1. TRL 1.16 `GRPOTrainer` in a venv of its own (runs/.venv-trl, created once from pinned versions:
    trl==1.16.0 with .venv's torch, transformers and peft), one process with 2 threads, generation
@@ -26,6 +27,14 @@
 model loads included) of the first of these checkpoints whose held-out accuracy is at least the
 accuracy of TRL's final adapter. It is measured at checkpoint granularity (--eval-every steps) and
 with one greedy evaluation each, so it is as noisy as the accuracy of --eval-limit problems.
+
+--check-update N answers another question: is trainer.py's update TRL's? TRL trains N steps with the
+race's config while its batches (prompt and completion ids, rewards) and LoRA weights are kept; then
+trainer.py's functions (grpo_loss.group_advantages, collate, completion_logprobs,
+compute_loss_and_backward) and an AdamW with trainer.py's settings replay the same batches from
+TRL's initial LoRA, and the weights are compared after each step (exit 1 if they differ by more
+than 1% of the update). So a difference in learning per step between the two sides of the race
+comes from the batches (which prompts, which samples), not from the update.
 
 Writes into --out: trl.json and ours.json (each side's curve, checkpoints and accuracies; what
 --skip-trl / --skip-ours reuse), result.json, race.png, and each process's log. Run it on an
@@ -70,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--trl-venv", default=os.path.join(ROOT, "runs/.venv-trl"), help="TRL's venv (created once)")
     p.add_argument("--skip-trl", action="store_true", help="reuse --out/trl.json instead of running TRL")
     p.add_argument("--skip-ours", action="store_true", help="reuse --out/ours.json instead of running jobs.sh")
+    p.add_argument("--check-update", type=int, default=0, metavar="N",
+                   help="only replay TRL's first N batches with trainer.py's update and compare the weights")
     p.add_argument("--out", default=os.path.join(ROOT, "runs/bench-vs-trl"), help="results, logs and race.png")
     return p.parse_args(argv)
 
@@ -226,17 +237,103 @@ config = GRPOConfig(
     disable_tqdm=True, dataloader_num_workers=0)
 lora = LoraConfig(r=int(s["LORA_R"]), lora_alpha=int(s["LORA_ALPHA"]), lora_dropout=0.0, target_modules="all-linear",
                   task_type="CAUSAL_LM")
+callbacks, replay, batches, weights = [StepLog(cfg["steps_log"])], cfg.get("replay_steps", 0), [], []
+if replay:  # --check-update: keep each step's batch and the LoRA weights after it; stop after `replay` steps
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    class Keep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            weights.append({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()})
+            control.should_training_stop = state.global_step >= replay
+
+    callbacks.append(Keep())
 trainer = GRPOTrainer(model=cfg["model"], reward_funcs=number_reward, args=config, train_dataset=dataset,
-                      processing_class=tokenizer, peft_config=lora, callbacks=[StepLog(cfg["steps_log"])])
+                      processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
+if replay:
+    initial = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    generate, score = trainer._generate_and_score_completions, trainer._calculate_rewards
+
+    def keep_rewards(*a, **kw):
+        rewards = score(*a, **kw)  # (B, reward functions)
+        batches.append({"rewards": rewards.sum(1).clone()})
+        return rewards
+
+    def keep_batch(inputs):
+        out = generate(inputs)
+        batches[-1].update({k: v.detach().clone() for k, v in out.items() if torch.is_tensor(v)})
+        return out
+
+    trainer._calculate_rewards, trainer._generate_and_score_completions = keep_rewards, keep_batch
 shown = ("generation_batch_size", "num_generations", "steps_per_generation", "max_completion_length", "temperature",
          "learning_rate", "lr_scheduler_type", "optim", "loss_type", "beta", "epsilon", "scale_rewards", "bf16",
          "gradient_checkpointing", "use_vllm")
 print("TRL config: " + " ".join(f"{k}={getattr(config, k)}" for k in shown), f"threads={torch.get_num_threads()}",
       flush=True)
 trainer.train()
-StepLog(cfg["steps_log"]).write(event="train_end")
-trainer.save_model(os.path.join(cfg["out"], "final"))
+if not replay:
+    StepLog(cfg["steps_log"]).write(event="train_end")
+    trainer.save_model(os.path.join(cfg["out"], "final"))
+    sys.exit(0)
+
+# --check-update: trainer.py's update on TRL's batches, from TRL's initial LoRA
+import grpo_loss
+import trainer as ours
+
+model = ours.build_model(cfg["model"], int(s["LORA_R"]), int(s["LORA_ALPHA"]), "all-linear", int(s["SEED"]))
+set_peft_model_state_dict(model, initial)
+model.eval()
+lr, T = float(s["LEARNING_RATE"]), float(s["TEMPERATURE"])
+optimizer = torch.optim.AdamW(ours.lora_parameters(model), lr=lr, weight_decay=0.0)  # as trainer.train
+worst = 0.0
+for step, (b, trl_after) in enumerate(zip(batches, weights)):
+    seqs = []
+    for r in range(b["prompt_ids"].shape[0]):  # TRL's padded rows -> trainer.py's records, group = r // G
+        pm, cm = b["prompt_mask"][r].bool(), b["completion_mask"][r].bool()
+        seqs.append({"prompt_ids": b["prompt_ids"][r][pm].tolist(), "ids": b["completion_ids"][r][cm].tolist(),
+                     "reward": float(b["rewards"][r]), "policy_version": 0, "truncated": False, "group": r // G})
+    advantages = grpo_loss.group_advantages(torch.tensor([q["reward"] for q in seqs]), G, "group")  # (B,)
+    with torch.no_grad():  # on-policy, as TRL's old_per_token_logps = per_token_logps.detach()
+        mb = ours.collate([dict(q, logprobs=[0.0] * len(q["ids"])) for q in seqs], range(len(seqs)), advantages, "cpu")
+        now = ours.completion_logprobs(model, mb, T)  # (B, C)
+    for r, q in enumerate(seqs):
+        q["logprobs"] = now[r, :len(q["ids"])].tolist()
+    optimizer.zero_grad(set_to_none=False)  # as trainer.train
+    ours.compute_loss_and_backward(model, seqs, advantages, ours.make_microbatches(seqs, 8192), s["LOSS_TYPE"], 0.2,
+                                   None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T)
+    torch.nn.utils.clip_grad_norm_(ours.lora_parameters(model), 1.0)
+    for g in optimizer.param_groups:
+        g["lr"] = lr * (1 - step / cfg["steps"] if s["LR_SCHEDULER_TYPE"] == "linear" else 1)
+    optimizer.step()
+    mine = get_peft_model_state_dict(model)
+    diff = sum(((mine[k] - trl_after[k]) ** 2).sum() for k in mine).sqrt()
+    moved = sum(((trl_after[k] - initial[k]) ** 2).sum() for k in mine).sqrt()  # TRL's update so far
+    worst = max(worst, (diff / moved).item())
+    print(f"update check: step {step + 1}: reward {b['rewards'].mean():.3f}, advantages max |ours - TRL's| "
+          f"{(advantages - b['advantages'].float()).abs().max():.1e}, LoRA weights |ours - TRL's| = "
+          f"{diff / moved:.1e} of TRL's update so far (|update| {moved:.3f})", flush=True)
+print(f"update check: {'SAME' if worst < 0.01 else 'DIFFERENT'} update (worst {worst:.1e} of the update; "
+      "the limit is 1e-2)", flush=True)
+sys.exit(0 if worst < 0.01 else 1)
 '''
+
+
+def check_update(a, settings, out):
+    """--check-update N: TRL's first N steps with the race's config, replayed by trainer.py (TRL_SCRIPT's end)."""
+    py, work = ensure_trl_venv(a.trl_venv), os.path.join(out, "check-update")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    with open(os.path.join(work, "train_trl.py"), "w") as f:
+        f.write(TRL_SCRIPT)
+    cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings, "steps": a.steps,
+           "save_steps": a.steps, "threads": a.trl_threads, "out": work, "steps_log": os.path.join(work, "steps.jsonl"),
+           "replay_steps": a.check_update}
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    log(f"TRL {TRL_VERSION}: {a.check_update} steps, then trainer.py's update on the same batches "
+        f"(log: {work}/trl.log)")
+    rc, _ = stream([py, os.path.join(work, "train_trl.py"), json.dumps(cfg)], os.path.join(work, "trl.log"), env,
+                   echo=re.compile(r"^\s*step \d+|^update check"))
+    sys.exit(rc)
 
 
 def check_idle(what, seconds=3.0):
@@ -530,6 +627,8 @@ def main(argv=None):
         sys.exit(f"bench_vs_trl.py: error: --model {a.model} is not a model folder (config.json, model.safetensors)")
     log("settings of both sides (jobs.sh defaults): " + " ".join(f"{k}={settings[k]}" for k in SETTINGS))
     log("ours only: " + " ".join(f"{k}={settings[k]}" for k in OURS_ONLY if k in settings))
+    if a.check_update:
+        check_update(a, settings, out)
     sides = {}
     for key, flag, run in (("trl", "--skip-trl", run_trl), ("ours", "--skip-ours", run_ours)):
         if getattr(a, flag[2:].replace("-", "_")):

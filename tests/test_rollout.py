@@ -290,10 +290,10 @@ def arith_prompts(tokenizer, k):
     return prompts
 
 
-def test_hf_shared_prefill_samples_as_num_return_sequences(tiny_model, adapters, reference):
+def test_hf_shared_prefill_samples_as_copied_prompts(tiny_model, adapters, reference):
     """Each prompt is prefilled once (their common prefix once for all) and its cache repeated G times:
-    the same samples, seed for seed, as transformers' num_return_sequences (which copies each prompt G
-    times before the forward), and the sampler's log-probs are those of transformers + peft on the same ids."""
+    the same samples, seed for seed, as a plain generate on each prompt copied G times (what
+    num_return_sequences does), and the sampler's log-probs are those of transformers + peft on the same ids."""
     engine = rollout.HFEngine(tiny_model, seed=0)
     engine.load_adapter(1, adapters[1])
     prompts = arith_prompts(engine.tokenizer, 5)
@@ -305,15 +305,34 @@ def test_hf_shared_prefill_samples_as_num_return_sequences(tiny_model, adapters,
     mask = torch.tensor([[0] * (W - len(p)) + [1] * len(p) for p in prompts])  # (5, W)
     torch.manual_seed(3)
     with torch.no_grad():
-        plain = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE,
-                                      max_new_tokens=12, num_return_sequences=6, eos_token_id=engine.eos_ids,
-                                      pad_token_id=engine.pad_id, **engine.SAMPLING)[:, ids.shape[1]:]  # (30, 12)
+        plain = engine.model.generate(input_ids=ids.repeat_interleave(6, 0),  # (30, W): each prompt 6 times
+                                      attention_mask=mask.repeat_interleave(6, 0), do_sample=False, logits_processor=[rollout.inverse_cdf_sampler(TEMPERATURE)],
+                                      max_new_tokens=12, eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id,
+                                      **engine.PLAIN)[:, ids.shape[1]:]  # (30, 12)
     assert [s.ids for g in groups for s in g] == [engine._cut(row)[0] for row in plain.tolist()]
     assert len({tuple(s.ids) for g in groups for s in g}) > 20  # really sampled
     d = max((torch.tensor(s.logprobs) - reference(1, p, s.ids)).abs().max().item() for p, g in zip(prompts, groups)
             for s in g)
     print(f"\nhf shared prefill: max |logprob - transformers+peft| {d:.2e}")
     assert d < 1e-4
+
+
+def test_hf_sampler_draws_from_softmax_over_temperature():
+    """rollout.inverse_cdf_sampler, the hf engine's sampler, against the distribution it must draw from:
+    softmax(logits / T), including a token of probability 0 (logit -inf) and one of ~1e-3. 200,000 rows
+    of 8 logits; each token's frequency within 5 standard errors of its probability, the impossible one never."""
+    T, rows = 0.7, 200_000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
+    p = torch.softmax(logits / T, dim=-1)  # (8,)
+    torch.manual_seed(0)
+    scores = rollout.inverse_cdf_sampler(T)(None, logits.expand(rows, -1).clone())  # (rows, 8)
+    assert ((scores == 0).sum(1) == 1).all() and torch.isinf(scores).sum() == rows * 7  # one pick per row
+    freq = torch.bincount(scores.argmax(1), minlength=8).double() / rows  # (8,)
+    se = (p.double() * (1 - p.double()) / rows).sqrt()
+    print("\nsampled frequency - probability, in standard errors:",
+          [round(x, 2) for x in ((freq - p.double()) / se.clamp(min=1e-12)).tolist()])
+    assert freq[6] == 0 and p[5] < 2e-3 and freq[5] > 0
+    assert ((freq - p.double()).abs() <= 5 * se + 1e-12).all()
 
 
 def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
