@@ -306,8 +306,9 @@ def test_hf_shared_prefill_samples_as_copied_prompts(tiny_model, adapters, refer
     torch.manual_seed(3)
     with torch.no_grad():
         plain = engine.model.generate(input_ids=ids.repeat_interleave(6, 0),  # (30, W): each prompt 6 times
-                                      attention_mask=mask.repeat_interleave(6, 0), do_sample=False, logits_processor=[rollout.inverse_cdf_sampler(TEMPERATURE)],
-                                      max_new_tokens=12, eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id,
+                                      attention_mask=mask.repeat_interleave(6, 0), do_sample=False,
+                                      logits_processor=[rollout.inverse_cdf_sampler(TEMPERATURE)], max_new_tokens=12,
+                                      eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id,
                                       **engine.PLAIN)[:, ids.shape[1]:]  # (30, 12)
     assert [s.ids for g in groups for s in g] == [engine._cut(row)[0] for row in plain.tolist()]
     assert len({tuple(s.ids) for g in groups for s in g}) > 20  # really sampled
