@@ -201,7 +201,7 @@ def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None
 
 def all_finite(tensors):
     """True when every tensor (e.g. each LoRA parameter's .grad; None is skipped) is finite.
-    The tensors may live on different devices: each device's flags are reduced there, one bool each."""
+    The tensors may live on different devices: each device's flags are reduced there, to one bool."""
     flags = {}  # device -> 0-dim bool tensors on it
     for t in tensors:
         if t is not None:

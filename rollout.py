@@ -332,7 +332,7 @@ class Replica:
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = self.trainer_version = None  # adapter version in the engine; the trainer's, from /quota
         self.reload_s, self.batches, self.why, self.lag_logged = 0.0, 0, None, None  # why, lag_logged: logged once
-        self.corrupt = None  # the last version refresh found corrupt (logged once, not called a lag)
+        self.corrupt = None  # the last version refresh found corrupt (said once, not called a lag)
 
     def log(self, msg):
         print(f"[{self.worker}] {msg}", flush=True)
@@ -353,7 +353,7 @@ class Replica:
                 raise
             if latest is None:  # LATEST unreadable: the bucket is down (files behind LATEST missing: a mount's lag)
                 self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
-            elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: said once
+            elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
                 self.log(f"adapter v{latest} is corrupt, still serving v{self.version}: {e}")
             self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
             return

@@ -40,7 +40,7 @@ LATEST, STATE, MANIFEST = "adapters/LATEST", "trainer/STATE", "manifest.json"
 VERSION_KEY, METRICS_KEY = re.compile(r"^adapters/v(\d{6,})/"), re.compile(r"^metrics/step-(\d{6,})\.json$")
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")  # one part of a file name read from the bucket
 MAX_VERSION = 2**31  # versions are < 2^31, as the proxy's
-TEMP_KEY = re.compile(r"^(adapters/\.LATEST|metrics/\.step-\d{6,}\.json)\.[0-9a-f]{8}\.tmp$")  # DirBucket's
+TEMP_KEY = re.compile(r"^(adapters/\.LATEST|metrics/\.step-\d{6,}\.json)\.[0-9a-f]{8}\.tmp$")  # DirBucket
 TEMP_MAX_AGE_S = 600.0  # a temp file this old is a killed write's: publish_adapter deletes it
 PULLED = ".pulled-by-sync"  # the mark pull_adapter leaves in each folder it creates
 
@@ -50,7 +50,7 @@ class BucketError(Exception):
 
 
 class CorruptAdapter(BucketError):
-    """A file holds other bytes than its manifest says (not a lagging mount: versions never change)."""
+    """A file holds other bytes than its manifest lists (no lagging mount does: versions never change)."""
 
 
 class _Outage(Exception):
@@ -180,10 +180,11 @@ class DirBucket(Bucket):
         return sorted(keys)
 
     def prune_temp(self, older_than=TEMP_MAX_AGE_S):
-        """Delete the temp files of LATEST and metrics writes a kill cut short (older than older_than s)."""
+        """Delete the temp files of LATEST and metrics writes a kill cut short (older_than s old)."""
         for key in self.list("adapters/.") + self.list("metrics/."):
             with contextlib.suppress(OSError), self._folder(key) as (fd, name):
-                if TEMP_KEY.match(key) and time.time() - os.lstat(name, dir_fd=fd).st_mtime > older_than:
+                age = time.time() - os.lstat(name, dir_fd=fd).st_mtime
+                if TEMP_KEY.match(key) and age > older_than:
                     os.unlink(name, dir_fd=fd)
 
     def delete(self, key):
@@ -310,12 +311,13 @@ def _safe_name(where, name):
 def _try_fetch(b, prefix):
     """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
     manifest, None, False) when all match, else (None, what is wrong, e.g. "KEY is missing",
-    corrupt: True when a file has as many bytes as listed or more, yet other ones: no lag does that)."""
+    corrupt: True when a file has as many bytes as listed or more, yet other ones: no lag does it)."""
     raw = b.read(prefix + MANIFEST)
     try:  # json.loads(None) is a TypeError: a missing manifest lands here too
         entries = {n: {"sha256": e["sha256"], "bytes": e["bytes"]} for n, e in json.loads(raw)["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
-        return None, f"{prefix}{MANIFEST} {'is missing' if raw is None else 'is not a complete manifest'}", False
+        why = "is missing" if raw is None else "is not a complete manifest"
+        return None, f"{prefix}{MANIFEST} {why}", False
     files = {MANIFEST: raw}
     for name, entry in sorted(entries.items()):
         data = files[name] = b.read(prefix + _safe_name(f"{b.url}: {prefix}{MANIFEST}", name))
@@ -340,8 +342,9 @@ def _fetch_verified(b, prefix, timeout, what):
         delay = min(2 * delay, 2.0)
         files, problem, corrupt = _try_fetch(b, prefix)
     if corrupt:
-        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; its writer (or someone with write access "
-                             "to the bucket) changed it after its manifest: the next version replaces it")
+        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; its writer (or someone with "
+                             "write access to the bucket) changed it after its manifest: the next "
+                             "version replaces it")
     if files is None:
         raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {problem}; check that the "
                           f"writer finished (python sync.py ls {b.url}) and was not pruned, or raise the timeout")
@@ -422,8 +425,8 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     files = _fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
     os.makedirs(dest_dir, exist_ok=True)
     if os.path.exists(dest) and not os.path.exists(os.path.join(dest, PULLED)):
-        raise BucketError(f"{dest} exists and was not made by sync.py (no {PULLED} in it): move it away, or "
-                          f"pull into another folder than {dest_dir}")
+        raise BucketError(f"{dest} exists and was not made by sync.py (no {PULLED} in it): move it "
+                          f"away, or pull into another folder than {dest_dir}")
     tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=dest_dir)
     try:
         for fname, data in {**files, PULLED: b""}.items():

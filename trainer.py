@@ -57,6 +57,7 @@ import math
 import os
 import pickle
 import random
+import re
 import sys
 import tempfile
 import time
@@ -430,10 +431,10 @@ def load_state(state_dir, key, where):
     try:  # weights_only: a state.pt planted in the bucket cannot run code here
         return torch.load(os.path.join(state_dir, "state.pt"), weights_only=True)
     except pickle.UnpicklingError as e:  # torch's first lines advise weights_only=False: not repeated
-        why = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "global" in ln), "")
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        why = f"it calls {found.group(1)}" if found else "not a plain pickle"
         raise TrainerError(f"{where}/trainer/state.pt holds more than tensors and plain values (written by "
-                           f"something else than trainer.py?): weights only load failed: {why[:160]}; "
-                           f"{fresh}") from None
+                           f"something else than trainer.py?): weights only load failed ({why}); {fresh}") from None
 
 
 def state_problem(state, optimizer):

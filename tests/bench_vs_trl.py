@@ -301,7 +301,8 @@ for step, (b, trl_after) in enumerate(zip(batches, weights)):
         q["logprobs"] = now[r, :len(q["ids"])].tolist()
     optimizer.zero_grad(set_to_none=False)  # as trainer.train
     ours.compute_loss_and_backward(model, seqs, advantages, ours.make_microbatches(seqs, 8192), s["LOSS_TYPE"], 0.2,
-                                   None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T, delta=ours.DELTA)
+                                   None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T,
+                                   delta=ours.DELTA)
     torch.nn.utils.clip_grad_norm_(ours.lora_parameters(model), 1.0)
     for g in optimizer.param_groups:
         g["lr"] = lr * (1 - step / cfg["steps"] if s["LR_SCHEDULER_TYPE"] == "linear" else 1)

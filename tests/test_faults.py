@@ -406,7 +406,7 @@ def bad_input(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     bucket = str(root / "bucket")
     model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
-    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3)
+    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3, weight_decay=0.0)  # as trainer
     trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {"step": 0, "version": 0, "published_step": 0,
                     "groups_consumed": 0, "args": {"model": tiny_model, "lora_r": 8}}, optimizer)
     server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
@@ -494,6 +494,64 @@ def test_trainer_refuses_a_state_whose_pickle_runs_code(tiny_model, bad_input, t
     assert not (tmp_path / "pwned").exists(), "the planted state.pt ran code in the trainer"
     line = one_error_line(r, "trainer.py")
     assert "holds more than tensors and plain values" in line and "weights only load failed" in line.lower(), line
+    assert "can still be loaded" not in r.stderr and "Re-running" not in r.stderr, "torch's advice"
+
+
+def planted_state(bad_input, tmp_path, **optimizer_settings):
+    """A bucket whose trainer state is bad_input's, weights-only, with AdamW settings changed."""
+    import torch
+
+    src, bucket = tmp_path / "state", str(tmp_path / "bucket")
+    sync.load_trainer_state(bad_input["bucket"], str(src))
+    state = torch.load(src / "state.pt", weights_only=True)
+    state["optimizer"]["param_groups"][0].update(optimizer_settings)
+    torch.save(state, src / "state.pt")
+    sync.save_trainer_state(bucket, str(src))
+    return bucket
+
+
+@pytest.mark.parametrize("key", [None, "the-run's-state-key"])
+def test_trainer_refuses_a_planted_optimizer_state(tiny_model, bad_input, tmp_path, key):
+    """A bucket writer's weights-only state.pt that would make AdamW ascend (maximize) and decay the
+    weights 50x per step: refused in one line, by its settings without a key, by its HMAC with
+    one."""
+    bucket = planted_state(bad_input, tmp_path, maximize=True, weight_decay=50.0)
+    env = {**ENV, **({"TRAINER_STATE_KEY": key} if key else {})}
+    r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+                        bad_input["url"], "--max-steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    line = one_error_line(r, "trainer.py")
+    if key:
+        assert "has no HMAC tag under TRAINER_STATE_KEY" in line, line
+    else:
+        assert "does not fit this trainer" in line and ("maximize=True" in line or "weight_decay=50" in line), line
+    assert sync.latest_version(bucket) is None, "nothing may be published from a refused state"
+
+
+def test_a_state_tagged_with_the_key_resumes_and_another_key_is_refused(tiny_model, tmp_path):
+    import torch
+
+    import trainer
+
+    bucket = str(tmp_path / "bucket")
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=3e-4, weight_decay=0.0)
+    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {
+        "step": 0, "version": 0, "published_step": 0, "groups_consumed": 0, "args": {}}, optimizer, key="k1")
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    try:
+        cmd = [sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+               f"http://127.0.0.1:{server.server_address[1]}", "--max-steps", "0", "--lora-r", "8",
+               "--lora-alpha", "16"]
+        r = subprocess.run(cmd, cwd=ROOT, env={**ENV, "TRAINER_STATE_KEY": "k2"}, capture_output=True,
+                           text=True, timeout=180)
+        assert "has a wrong HMAC tag" in one_error_line(r, "trainer.py")
+        r = subprocess.run(cmd, cwd=ROOT, env={**ENV, "TRAINER_STATE_KEY": "k1"}, capture_output=True,
+                           text=True, timeout=180)
+        assert r.returncode == 0 and r.stdout.startswith("resumed from step 0, version 0"), r.stderr[-2000:]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("ending", ["eval", "SIGTERM"])
