@@ -69,8 +69,8 @@ import sync
 from proxy import ProxyClient, ProxyError
 
 CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature", "max_completion_length")
-DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); must be >= 1 + epsilon_high
-ABSURD_RATIO = 1e3  # a ratio above it is no sampler's honest mismatch: the group is reported (departure 8)
+DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
+ABSURD_RATIO = 1e3  # no sampler's honest mismatch: a group with a ratio above it is named (dep. 8)
 
 
 class TrainerError(Exception):
@@ -93,8 +93,8 @@ def parse_args(argv=None):
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
     a("--delta", type=lambda v: None if v.lower() == "none" else float(v), default=DELTA,
-      help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; 'none': off "
-           f"(default {DELTA}: one group cannot steer a step)")
+      help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
+           f"'none': off (default {DELTA}: one group cannot steer a step)")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"], help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
@@ -136,7 +136,7 @@ def lora_parameters(model):
 
 
 def make_optimizer(params, args):
-    """AdamW, no weight decay (departure 5); a resume state must have these settings (state_problem)."""
+    """AdamW, no weight decay (departure 5); a resume state must match it (state_problem)."""
     return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
 
 
@@ -147,8 +147,8 @@ def flatten_groups(groups, max_completion_length):
     in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
     return [{"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
              "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
-             "policy_version": int(g["policy_version"]), "truncated": len(c["ids"]) > max_completion_length, "group": k,
-             "worker": g.get("worker")}
+             "policy_version": int(g["policy_version"]), "group": k, "worker": g.get("worker"),
+             "truncated": len(c["ids"]) > max_completion_length}
             for k, g in enumerate(groups) for c in g["completions"]]  # proxy-checked: G completions, a log-prob per id
 
 
@@ -318,47 +318,11 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 
 # ----------------------------------------------------------------------------- data
 
-def group_problem(g, vocab_size, num_generations=None, context=None, reward_range=None):
-    """(kind, why) when the trainer cannot use group g (the proxy's JSON), else None. The proxy
-    checks groups too; this holds on its own: one bad group must not crash or poison a step."""
-    def ids_ok(ids):
-        return type(ids) is list and all(type(t) is int and 0 <= t < vocab_size for t in ids)
-
-    lo, hi = reward_range or (-math.inf, math.inf)
-    try:
-        comps, prompt = g["completions"], g["prompt_ids"]
-        if num_generations is not None and len(comps) != num_generations:
-            return "num_completions", f"{len(comps)} completions, not num_generations {num_generations}"
-        if not prompt:
-            return "empty_prompt", "no prompt tokens (prompt_ids: [])"
-        for j, c in enumerate(comps):
-            if not c["ids"]:
-                return "empty_completion", f"completion {j} has no tokens (ids: [])"
-            if not (ids_ok(prompt) and ids_ok(c["ids"])):
-                return "token_id", f"a token id >= the vocabulary size {vocab_size} (or not an int >= 0)"
-            lps = c["logprobs"]
-            if len(lps) != len(c["ids"]) or not all(type(x) in (int, float) and math.isfinite(x) for x in lps):
-                return "logprobs", f"completion {j}: {len(lps)} log-probs for {len(c['ids'])} ids (or not finite)"
-            if type(c["reward"]) not in (int, float) or not lo <= c["reward"] <= hi:  # NaN fails both
-                return "reward", f"completion {j}: reward {str(c['reward'])[:30]} outside [{lo:g}, {hi:g}]"
-        longest = len(prompt) + max(len(c["ids"]) for c in comps)
-        if context is not None and longest > context:
-            return "too_long", f"{longest} tokens of prompt + completion, over the model's context {context}"
-        int(g["policy_version"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return "malformed", "not a group in the proxy's JSON form"
-    return None
-
-
-def printable(v, n=64):
-    """A peer's string for a log line: at most n characters, no control characters (no forged lines)."""
-    return "".join(ch if ch.isprintable() else "?" for ch in str(v)[:n])
-
-
 def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None, **limits):
-    """Long-poll the proxy until n usable groups are in hand (at most max_staleness versions old; with
-    --zero-variance drop, unequal rewards). A group the trainer cannot use (group_problem; limits:
-    its num_generations, context, reward_range) is dropped, named on stderr, counted in `dropped`."""
+    """Long-poll the proxy until n usable groups are in hand (at most max_staleness versions old;
+    with --zero-variance drop, unequal rewards). A group the trainer cannot use (group_problem;
+    limits: its num_generations, context, reward_range) is dropped, named on stderr, counted in
+    `dropped`."""
     groups, start, last_log = [], time.time(), time.time()
     while len(groups) < n:
         waited = time.time() - start
@@ -378,20 +342,17 @@ def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None,
                 continue
             if dropped is not None:
                 dropped[problem[0]] = dropped.get(problem[0], 0) + 1
-            gid, worker = (printable(g.get(k)) if isinstance(g, dict) else "?" for k in ("group_id", "worker"))
+            gid, worker = (printable(g.get(k) if isinstance(g, dict) else "?")
+                           for k in ("group_id", "worker"))
             print(f"dropped group {gid} from {worker}: {problem[1]}", file=sys.stderr)
     return groups
 
 
 # ----------------------------------------------------------------------------- state
 
-STATE_TAG = "state.hmac"  # next to state.pt: its HMAC under env TRAINER_STATE_KEY (state_tag)
-FREE_OPTIMIZER_KEYS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
-
-
 def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None, key=None):
-    """Publish the adapter as `version`; with `state`, also save the resume state (weights, optimizer, RNGs),
-    tagged with an HMAC under `key` (env TRAINER_STATE_KEY) when there is one."""
+    """Publish the adapter as `version`; with `state`, also save the resume state (weights,
+    optimizer, RNGs), tagged with an HMAC under `key` (env TRAINER_STATE_KEY) when there is one."""
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         sync.publish_adapter(bucket, d, version, keep=keep, base_model=base_model, step=step)
@@ -403,62 +364,6 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
                 with open(os.path.join(d, STATE_TAG), "w") as f:
                     f.write(state_tag(key, d))
             sync.save_trainer_state(bucket, d)
-
-
-def state_tag(key, folder):
-    """HMAC-SHA256 (hex) under key of every file in folder but the tag: names and sha256s, sorted."""
-    mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
-    for name in sorted(os.listdir(folder)):
-        if name != STATE_TAG and os.path.isfile(path := os.path.join(folder, name)):
-            with open(path, "rb") as f:
-                mac.update(f"{name}\0{hashlib.sha256(f.read()).hexdigest()}\n".encode())
-    return mac.hexdigest()
-
-
-def load_state(state_dir, key, where):
-    """The resume state load_trainer_state put in state_dir (None: there is none). With a key, refused
-    unless its HMAC tag matches; never unpickles code (weights_only). TrainerError, one line, otherwise."""
-    if state_dir is None:
-        return None
-    fresh = f"remove {where}/trainer to start fresh"
-    if key:
-        tag_path = os.path.join(state_dir, STATE_TAG)
-        tag = open(tag_path, "rb").read().strip() if os.path.exists(tag_path) else None
-        if tag is None or not hmac.compare_digest(tag, state_tag(key, state_dir).encode()):
-            raise TrainerError(f"{where}/trainer: the resume state has {'no' if tag is None else 'a wrong'} "
-                               "HMAC tag under TRAINER_STATE_KEY: this run's trainer did not write it (or used "
-                               f"another key); set the key that run used, or {fresh}")
-    try:  # weights_only: a state.pt planted in the bucket cannot run code here
-        return torch.load(os.path.join(state_dir, "state.pt"), weights_only=True)
-    except pickle.UnpicklingError as e:  # torch's first lines advise weights_only=False: not repeated
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        why = f"it calls {found.group(1)}" if found else "not a plain pickle"
-        raise TrainerError(f"{where}/trainer/state.pt holds more than tensors and plain values (written by "
-                           f"something else than trainer.py?): weights only load failed ({why}); {fresh}") from None
-
-
-def state_problem(state, optimizer):
-    """Why a resume state does not fit this trainer (counters, its own AdamW settings, finite moments
-    with |exp_avg| <= 10 sqrt(exp_avg_sq), as Adam's own updates keep them), or None."""
-    try:
-        if not all(type(state[k]) is int and state[k] >= 0
-                   for k in ("step", "version", "published_step", "groups_consumed")):
-            return "step, version, published_step or groups_consumed is not an int >= 0"
-        saved = state["optimizer"]["param_groups"]
-        if len(saved) != len(optimizer.param_groups):
-            return f"{len(saved)} optimizer parameter groups, not {len(optimizer.param_groups)}"
-        for theirs, ours in zip(saved, optimizer.param_groups):
-            for k in set(ours) - FREE_OPTIMIZER_KEYS:
-                if theirs.get(k, ours[k]) != ours[k]:
-                    return f"AdamW {k}={str(theirs[k])[:40]}, not this trainer's {ours[k]}"
-        for moments in state["optimizer"]["state"].values():
-            m, v = moments["exp_avg"].float(), moments["exp_avg_sq"].float()
-            if not (torch.isfinite(m).all() and torch.isfinite(v).all() and (v >= 0).all()
-                    and (m.abs() <= 10 * v.sqrt() + 1e-12).all()):
-                return "AdamW moments that are not finite, or exp_avg beyond 10 sqrt(exp_avg_sq)"
-    except (KeyError, TypeError, AttributeError, RuntimeError):
-        return "not the dict trainer.py saves"
-    return None
 
 
 def restore_state(model, optimizer, state_dir, state):
@@ -495,11 +400,11 @@ def train(args):
     vars(args).update({k: contract[proxy_name.get(k, k)] for k in CONTRACT_FLAGS})  # the run's settings: the proxy's
     tmp, key = tempfile.TemporaryDirectory(), os.environ.get("TRAINER_STATE_KEY") or None
     state_dir = sync.load_trainer_state(bucket, tmp.name)
-    state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked below in any case
+    state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
     if state is not None and (why := state_problem(state, make_optimizer([torch.zeros(1)], args))):
-        raise TrainerError(f"{bucket.url}/trainer: the resume state does not fit this trainer ({why}): not "
-                           f"written by trainer.py? remove {bucket.url}/trainer to start fresh (and set "
-                           "TRAINER_STATE_KEY: an HMAC then shows who wrote it)")
+        raise TrainerError(f"{bucket.url}/trainer: the resume state does not fit this trainer "
+                           f"({why}): not written by trainer.py? remove {bucket.url}/trainer to start "
+                           "fresh (and set TRAINER_STATE_KEY: an HMAC then shows who wrote it)")
     print(f"resumed from step {state['step']}, version {state['version']} (state in {bucket.url}/trainer)"
           if state else f"starting fresh: no trainer state in {bucket.url}")
     print(f"run settings from the proxy: {contract}")
@@ -563,11 +468,11 @@ def train(args):
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
         for k, r in (absurd := stats.pop("absurd_ratio")).items():  # inert under delta (departure 8)
-            g = groups[k]
-            print(f"step {step + 1}: group {printable(g['group_id'])} from {printable(g['worker'])}: importance "
-                  f"ratio {r:.3g} > {ABSURD_RATIO:g}, its log-probs are not its sampler's; " +
-                  (f"delta {args.delta:g} leaves such tokens no gradient" if args.delta else
-                   "--delta none: it steers this step"), file=sys.stderr)
+            who = f"group {printable(groups[k]['group_id'])} from {printable(groups[k]['worker'])}"
+            then = (f"delta {args.delta:g} leaves such tokens no gradient" if args.delta
+                    else "--delta none: it steers this step")
+            print(f"step {step + 1}: {who}: importance ratio {r:.3g} > {ABSURD_RATIO:g}, its "
+                  f"log-probs are not its sampler's; {then}", file=sys.stderr)
         for g in optimizer.param_groups:  # the schedule: a function of the step, so a resume continues it
             g["lr"] = args.learning_rate * (1 - step / args.max_steps if args.lr_scheduler_type == "linear" else 1)
         if finite:
@@ -613,13 +518,121 @@ def main(argv=None):
         sys.exit(f"trainer.py: error: --{too_small[0].replace('_', '-')} must be >= 1")
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.delta is not None and not args.delta >= 1 + high:
-        sys.exit(f"trainer.py: error: --delta {args.delta:g} must be >= 1 + epsilon_high = {1 + high:g} "
-                 "(raise it, or --delta none to turn TRL's two-sided clip off)")
+        sys.exit(f"trainer.py: error: --delta {args.delta:g} must be >= 1 + epsilon_high = "
+                 f"{1 + high:g} (raise it, or --delta none to turn TRL's two-sided clip off)")
     sys.stdout.reconfigure(line_buffering=True)  # each log line reaches a piped log (or a watcher) at once
     try:
         train(args)
     except (ProxyError, sync.BucketError, TrainerError) as e:
         sys.exit(f"trainer.py: error: {e}")
+
+
+# ----------------------------------------------------------------------------- hardening
+# Below: not the algorithm. What a hostile replica (groups) or bucket writer (resume state) can
+# send, checked before it can crash, steer or poison the learner.
+
+def group_problem(g, vocab_size, num_generations=None, context=None, reward_range=None):
+    """(kind, why) when the trainer cannot use group g (the proxy's JSON), else None. The proxy
+    checks groups too; this holds on its own: one bad group must not crash or poison a step."""
+    def ids_ok(ids):
+        return type(ids) is list and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+
+    def number(x, lo=-math.inf, hi=math.inf):  # NaN fails
+        return type(x) in (int, float) and lo <= x <= hi and math.isfinite(x)
+
+    lo, hi = reward_range or (-math.inf, math.inf)
+    try:
+        comps, prompt = g["completions"], g["prompt_ids"]
+        if num_generations is not None and len(comps) != num_generations:
+            return "num_completions", f"{len(comps)} completions, not {num_generations}"
+        if not prompt:
+            return "empty_prompt", "no prompt tokens (prompt_ids: [])"
+        for j, c in enumerate(comps):
+            ids, lps = c["ids"], c["logprobs"]
+            if not ids:
+                return "empty_completion", f"completion {j} has no tokens (ids: [])"
+            if not (ids_ok(prompt) and ids_ok(ids)):
+                return "token_id", f"a token id >= the vocabulary size {vocab_size} (or < 0)"
+            if len(lps) != len(ids) or not all(map(number, lps)):
+                return "logprobs", f"completion {j}: {len(lps)} log-probs for {len(ids)} ids, or NaN"
+            if not number(c["reward"], lo, hi):
+                r = str(c["reward"])[:30]
+                return "reward", f"completion {j}: reward {r} not in [{lo:g}, {hi:g}]"
+        longest = len(prompt) + max(len(c["ids"]) for c in comps)
+        if context is not None and longest > context:
+            return "too_long", f"{longest} tokens of prompt + completion > the context {context}"
+        int(g["policy_version"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "malformed", "not a group in the proxy's JSON form"
+    return None
+
+
+def printable(v, n=64):
+    """A peer's string for a log line: at most n characters, no control character (no fake line)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in str(v)[:n])
+
+
+STATE_TAG = "state.hmac"  # next to state.pt: the state's HMAC under env TRAINER_STATE_KEY
+FREE_OPTIMIZER_KEYS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable",
+                       "differentiable"}  # AdamW settings a resume state may set as it likes
+
+
+def state_tag(key, folder):
+    """HMAC-SHA256 (hex) under key of every file in folder but the tag: names and sha256s, sorted."""
+    mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
+    for name in sorted(os.listdir(folder)):
+        if name != STATE_TAG and os.path.isfile(path := os.path.join(folder, name)):
+            with open(path, "rb") as f:
+                mac.update(f"{name}\0{hashlib.sha256(f.read()).hexdigest()}\n".encode())
+    return mac.hexdigest()
+
+
+def load_state(state_dir, key, where):
+    """The resume state load_trainer_state put in state_dir (None: there is none). With a key, it is
+    refused unless its HMAC tag matches; it never unpickles code (weights_only). TrainerError."""
+    if state_dir is None:
+        return None
+    fresh = f"remove {where}/trainer to start fresh"
+    if key:
+        tag_path = os.path.join(state_dir, STATE_TAG)
+        tag = open(tag_path, "rb").read().strip() if os.path.exists(tag_path) else None
+        if tag is None or not hmac.compare_digest(tag, state_tag(key, state_dir).encode()):
+            which = "no" if tag is None else "a wrong"
+            raise TrainerError(f"{where}/trainer: the resume state has {which} HMAC tag under "
+                               "TRAINER_STATE_KEY: this run's trainer did not write it (or used "
+                               f"another key); set the key that run used, or {fresh}")
+    try:  # weights_only: a state.pt planted in the bucket cannot run code here
+        return torch.load(os.path.join(state_dir, "state.pt"), weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False: not repeated
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        why = f"it calls {found.group(1)}" if found else "not a plain pickle"
+        raise TrainerError(f"{where}/trainer/state.pt holds more than tensors and plain values "
+                           f"(written by something else than trainer.py?): weights only load failed "
+                           f"({why}); {fresh}") from None
+
+
+def state_problem(state, optimizer):
+    """Why a resume state does not fit this trainer (counters, its own AdamW settings, finite
+    moments with |exp_avg| <= 10 sqrt(exp_avg_sq), as Adam's own updates keep them), or None."""
+    try:
+        if not all(type(state[k]) is int and state[k] >= 0
+                   for k in ("step", "version", "published_step", "groups_consumed")):
+            return "step, version, published_step or groups_consumed is not an int >= 0"
+        saved = state["optimizer"]["param_groups"]
+        if len(saved) != len(optimizer.param_groups):
+            return f"{len(saved)} optimizer parameter groups, not {len(optimizer.param_groups)}"
+        for theirs, ours in zip(saved, optimizer.param_groups):
+            for k in set(ours) - FREE_OPTIMIZER_KEYS:
+                if theirs.get(k, ours[k]) != ours[k]:
+                    return f"AdamW {k}={str(theirs[k])[:40]}, not this trainer's {ours[k]}"
+        for moments in state["optimizer"]["state"].values():
+            m, v = moments["exp_avg"].float(), moments["exp_avg_sq"].float()
+            if not (torch.isfinite(m).all() and torch.isfinite(v).all() and (v >= 0).all()
+                    and (m.abs() <= 10 * v.sqrt() + 1e-12).all()):
+                return "AdamW moments that are not finite, or exp_avg beyond 10 sqrt(exp_avg_sq)"
+    except (KeyError, TypeError, AttributeError, RuntimeError):
+        return "not the dict trainer.py saves"
+    return None
 
 
 if __name__ == "__main__":
