@@ -579,3 +579,34 @@ def test_no_rollout_temp_folder_is_left_behind(tiny_model, bad_input, tmp_path, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     assert ours() == []
+
+
+def test_a_corrupt_adapter_is_reported_as_corrupt_by_the_replica(tiny_model, bad_input, tmp_path):
+    """The trainer announces v1, whose weights in the bucket have the manifest's size but other bytes:
+    the replica says v1 is corrupt (once) and keeps serving v0; it does not call it a lagging mount."""
+    bucket = str(tmp_path / "bucket")
+    v0 = sync.pull_adapter(bad_input["bucket"], 0, str(tmp_path / "pulled"))
+    sync.publish_adapter(bucket, v0, 0)
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        log = tmp_path / "replica.log"
+        with open(log, "w") as out:
+            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT, env=ENV, stdout=out,
+                                       stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
+            time.sleep(0.2)
+        sync.publish_adapter(bucket, v0, 1)
+        weights = os.path.join(bucket, "adapters", "v000001", "adapter_model.safetensors")
+        size = os.path.getsize(weights)
+        with open(weights, "wb") as f:
+            f.write(b"\0" * size)
+        proxy.ProxyClient(url).set_version(1)
+        assert replica.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        server.shutdown()
+        server.server_close()
+    text = log.read_text()
+    assert re.search(r"adapter v1 is corrupt, still serving v0: .*adapter v000001 is corrupt", text), text[-3000:]
+    assert "a mount lagging" not in text and text.count("is corrupt, still serving") == 1, text[-3000:]
