@@ -15,13 +15,19 @@ At the end (and after every kill) it checks the invariants of issue 7 and prints
 
 Two hostile peers run all along, with the replicas' token (ROLLOUT_TOKEN; the trainer holds PROXY_TOKEN):
   - a poisoner (the harness itself) POSTs, at random moments, groups that are valid JSON but hostile:
-    ones the schema allows (log-prob -999 on a low-reward completion, rewards of +-1e29, the longest
-    prompt and completions the model takes) and ones the proxy must refuse (a positive, NaN or too small
-    log-prob, an infinite reward, another temperature, max_new_tokens or G, a policy_version from the future);
+    ones the schema allows (log-prob -999 on a low-reward completion; the crafted-ratio group: the
+    trainer's current log-probs - 19.9, ratio ~4.4e8, computed with trainer.py's own forward on the
+    adapter the bucket holds), ones a proxy may refuse or the trainer must drop (rewards of +-1e29,
+    the longest prompt the model takes, completions with no ids), and ones the proxy must refuse (a
+    positive, NaN or too small log-prob, an infinite reward, another temperature, max_new_tokens or
+    G, a policy_version from the future); now and then it floods 200 groups it was never leased and
+    POSTs an 8 MB body;
   - a lying replica follows /quota but posts groups of random log-probs tagged with the trainer's version,
     and tries the trainer's endpoints (POST /version 2147483647, GET /batch, POST /done): each must get 403.
 At the end every adapter in the bucket must hold finite weights, no step whose loss or gradient was not
-finite may have been applied, and no group from the future may have been trained on.
+finite may have been applied, no group from the future may have been trained on, and every step's
+gradient must be dominated by honest groups: its norm before clipping at most GRAD_BOUND = 1e3 (a
+crafted group that reached the gradient makes it ~1e7..1e8; honest steps here stay below ~10).
 
 The same harness (Role, LocalSystem, verify_bucket, TcpRelay) is what tests/test_faults.py uses.
 This file is not collected by pytest (its name does not start with test_).
@@ -535,6 +541,7 @@ def poisoner(system, limits, rng, stop, report):
     import requests
 
     client, crafter = system.rollout_client(max_wait=30), Crafter(system.model, system.bucket, system.workdir)
+    first = ["crafted ratio", "empty ids"]  # the first rounds send these; then random kinds
     while not stop.wait(rng.uniform(3, 12)):
         if rng.random() < 0.1:
             with contextlib.suppress(ProxyError):
@@ -545,7 +552,7 @@ def poisoner(system, limits, rng, stop, report):
         except ProxyError:
             continue  # the proxy is down for longer than 30 s: try again later
         t = s["trainer_version"]
-        for kind in rng.sample(ALLOWED + EITHER + REFUSED, 2):
+        for kind in [first.pop(0)] if first and t is not None else rng.sample(ALLOWED + EITHER + REFUSED, 2):
             if kind in ("future version", "crafted ratio") and t is None:
                 continue  # a restarted proxy knows no trainer version yet: nothing is "the future"
             try:
@@ -782,6 +789,8 @@ def chaos(args):
     print(f"the trainer announced its version again to a restarted proxy {resent} times")
     p = report.poison
     by = lambda kinds, outcome: ", ".join(f"{k} {p[k, outcome]}" for k in kinds if p[k, outcome])  # noqa: E731
+    print(f"poisoned groups the proxy may take or refuse: accepted {by(EITHER, 'accepted') or 0}; refused "
+          f"{by(EITHER, 'refused') or 0}")
     print(f"poisoned groups (replicas' token): accepted {sum(p[k, 'accepted'] for k in ALLOWED)} ({by(ALLOWED, 'accepted')}); "
           f"refused {sum(p[k, 'refused'] for k in REFUSED)} ({by(REFUSED, 'refused')}); not delivered (proxy down or "
           f"full) {sum(n for (_, o), n in p.items() if o == 'not delivered')}")
