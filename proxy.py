@@ -52,7 +52,7 @@ MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
 RETRY_AFTER_S = 1       # what a 429 or 503 tells a client to wait
-WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered")  # counted in total and per worker
+WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")  # in total and per worker
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
           "/batch": "GET", "/version": "POST", "/done": "POST"}
 REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}  # what the replicas' token opens
@@ -142,9 +142,16 @@ def validate_group(g, contract, where="group"):
     n, G = len(g["completions"]), contract["num_generations"]
     _check(n == G, f"{where}.completions", f"{n} completions, but this run has num_generations {G} "
            "(proxy.py --num-generations): start rollout.py without --num-generations")
+    n, most = len(g["prompt_ids"]), contract["max_prompt_length"]
+    _check(0 < n <= most, f"{where}.prompt_ids", f"{n} ids, but a prompt has 1 to max_prompt_length {most} "
+           "(proxy.py --max-prompt-length)")
+    lo, hi = contract["reward_range"]
     for j, c in enumerate(g["completions"]):
         check_fields(c, w := f"{where}.completions[{j}]", COMPLETION)
         lps, ids = c["logprobs"], c["ids"]
+        _check(ids, f"{w}.ids", "empty: a completion has at least one token (the EOS)")
+        _check(lo <= c["reward"] <= hi, f"{w}.reward", f"{c['reward']:g} is outside this run's reward_range "
+               f"[{lo:g}, {hi:g}] (proxy.py --reward-range LO HI)")
         bad = next((i for i, x in enumerate(lps) if type(x) not in (int, float) or not MIN_LOGPROB <= x <= 0), None)
         if bad is not None:
             raise ApiError(f"{w}.logprobs[{bad}]: must be a log-prob in [{MIN_LOGPROB:g}, 0], got {str(lps[bad])[:40]}")
@@ -203,13 +210,15 @@ def group_bytes(g):
 # The settings every role must share (TRL's names), and their defaults. proxy.py takes them as flags;
 # rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
 CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0, "max_new_tokens": 256,
-            "zero_variance": "keep"}
+            "zero_variance": "keep", "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}
 CONTRACT_HELP = {"num_generations": "completions per prompt, G",
                  "groups_per_step": "groups the trainer takes per optimizer step, B",
                  "max_staleness": "a group of version v is usable while trainer_version - v <= this (0: synchronous)",
                  "temperature": "sampling temperature (the trainer divides its logits by it)",
                  "max_new_tokens": "longest completion (the trainer's max_completion_length)",
-                 "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop (DAPO)"}
+                 "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop (DAPO)",
+                 "max_prompt_length": "longest prompt in tokens a group may carry (TRL's old GRPOConfig name)",
+                 "reward_range": "LO HI: every reward lies in [LO, HI] (every task here scores 0 or 1)"}
 
 
 class RolloutBuffer:
@@ -218,13 +227,15 @@ class RolloutBuffer:
 
     def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000, lease_timeout=120.0):
         c = self.contract = dict(CONTRACT, **(contract or {}))
+        lo, hi = c["reward_range"] = [float(x) for x in c["reward_range"]]
         works = {"num_generations": c["num_generations"] >= 2, "groups_per_step": c["groups_per_step"] >= 1,
                  "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
-                 "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop")}
+                 "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop"),
+                 "max_prompt_length": c["max_prompt_length"] >= 1, "reward_range": -MAX_ABS < lo < hi < MAX_ABS}
         for key in (k for k, ok in works.items() if not ok):
             raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, "
                               "groups-per-step >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, "
-                              "zero-variance keep or drop")
+                              "zero-variance keep or drop, max-prompt-length >= 1, reward-range LO < HI")
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.cond = lease_timeout, threading.Condition()
         self.groups, self.nbytes = collections.deque(), 0  # nbytes: group_bytes() of the buffered groups
@@ -235,7 +246,7 @@ class RolloutBuffer:
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
         self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
         self.done, self.closed, self.started = False, False, time.time()
-        self.leases = {}  # worker -> [groups still to come, expiry]: what /quota handed out (0: asking)
+        self.leases = {}  # worker -> [groups still to come, expiry, version asked with] (0: asking)
         self.told_done, self.last_request = set(), time.monotonic()  # for main(): who heard "done", and when last
         self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
@@ -251,8 +262,9 @@ class RolloutBuffer:
             name = g["worker"] if g["worker"] in self.workers or len(self.workers) < MAX_WORKERS else "(other)"
             self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += sign
 
-    def add(self, groups):
-        """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't fit."""
+    def add(self, groups, limited=False):
+        """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't fit.
+        `limited` (a replica's credential): new groups beyond the sender's lease are counted and dropped."""
         if (size := sum(map(group_bytes, groups))) > self.max_bytes:
             raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
                            f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
@@ -261,11 +273,12 @@ class RolloutBuffer:
             if ahead := next((g for g in groups if t is not None and g["policy_version"] > t), None):
                 raise ApiError(f"policy_version {ahead['policy_version']} is ahead of the trainer's version {t}: is "
                                "this replica reading another run's bucket?", 409)  # no adapter of the trainer made it
-            self.counts["received"] += len(groups)
             new, dups, ids = [], [], set()
             for g in groups:  # a group_id seen before, or twice in this POST, is a retry: counted, not kept
                 (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
                 ids.add(g["group_id"])
+            new, over = self._within_leases(new) if limited else (new, [])
+            self.counts["received"] += len(groups)
             fresh, flat = [g for g in new if self._usable(g)], []
             if self.contract["zero_variance"] == "drop":  # equal rewards carry no signal (DAPO's dynamic sampling)
                 varied = [len({c["reward"] for c in g["completions"]}) > 1 for g in fresh]
@@ -277,12 +290,13 @@ class RolloutBuffer:
                 raise ApiError(f"buffer full ({len(self.groups)} groups of --max-groups {self.max_groups}, "
                                f"{self.nbytes / 2**20:.3g} MB of --max-buffer-mb {self.max_bytes / 2**20:.3g}); retry "
                                f"in {RETRY_AFTER_S} s", 429, {"Retry-After": str(RETRY_AFTER_S)})
-            self.seen.update(ids)
+            self.seen.update(g["group_id"] for g in new)
             self.seen_order.extend(g["group_id"] for g in new)
             while len(self.seen_order) > self.remember_ids:
                 self.seen.discard(self.seen_order.popleft())
             self._count("accepted", new)
             self._count("duplicates", dups)
+            self._count("over_quota", over)
             self._count("dropped_stale", [g for g in new if not self._usable(g)])
             self.counts["dropped_zero_variance"] += len(flat)
             for g in (g for g in new if g["worker"] in self.leases):  # a sender's lease shrinks as its groups arrive
@@ -291,7 +305,21 @@ class RolloutBuffer:
             self.nbytes += size
             self.cond.notify_all()
             return {"accepted": len(new), "duplicates": len(dups), "stale": len(new) - len(fresh) - len(flat),
-                    "zero_variance": len(flat), "trainer_version": t}
+                    "zero_variance": len(flat), "over_quota": len(over), "trainer_version": t}
+
+    def _within_leases(self, new):
+        """(kept, over): a replica's new groups up to what /quota leased to it, in order; the rest are
+        over. A group older than the adapter its worker said it held at /quota is refused (409)."""
+        left, kept, over = {}, [], []
+        for g in new:
+            w, v = g["worker"], g["policy_version"]
+            n, _, held = self.leases.get(w, (0, 0, 0))
+            if v < held:
+                raise ApiError(f"policy_version {v} of group {g['group_id'][:80]!r} is older than v{held}, the "
+                               f"adapter {w[:80]!r} said it held at GET /quota", 409)
+            left[w] = left.get(w, n) - 1
+            (kept if left[w] >= 0 else over).append(g)
+        return kept, over
 
     def take(self, n, timeout, gone=lambda: False):
         """Up to n usable groups, oldest first, waiting up to `timeout` s for n (no busy wait); none if `gone()`."""
@@ -365,7 +393,7 @@ class RolloutBuffer:
             return 0, "the trainer has not announced itself yet"
         if version < t - S:
             return 0, f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load a newer adapter"
-        others = [n for w, (n, until) in self.leases.items() if w != worker and until > now]
+        others = [n for w, (n, until, _) in self.leases.items() if w != worker and until > now]
         leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
         lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
         if lack <= 0:
@@ -378,8 +406,14 @@ class RolloutBuffer:
     def quota(self, worker, version, most, timeout):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end of the run."""
         with self.cond:
+            if worker not in self.leases and len(self.leases) >= MAX_WORKERS:  # a bounded table: drop expired
+                now = time.monotonic()
+                self.leases = {w: lease for w, lease in self.leases.items() if lease[1] > now}
+                if len(self.leases) >= MAX_WORKERS:
+                    raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one expires "
+                                   "(--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
             t0 = self.trainer_version  # a replica asks again once its last groups are out: its lease ends, but
-            self.leases[worker] = [0, time.monotonic() + timeout + self.lease_timeout]  # it counts as an asker
+            self.leases[worker] = [0, time.monotonic() + timeout + self.lease_timeout, version]  # it asks
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.done or self.closed or self.trainer_version != t0
                                or (t0 is not None and version < t0)  # a newer adapter to load: at once
@@ -389,7 +423,7 @@ class RolloutBuffer:
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
             n, why = self._quota(worker, version, most)
-            self.leases[worker] = [n, time.monotonic() + self.lease_timeout]
+            self.leases[worker] = [n, time.monotonic() + self.lease_timeout, version]
             return {"groups": n, "trainer_version": self.trainer_version, "why": why, "state": self.state()}
 
     def count(self, key):
@@ -404,7 +438,7 @@ class RolloutBuffer:
             now = time.monotonic()
             return {**self.counts, "buffered": len(self.groups), "buffered_mb": round(self.nbytes / 2**20, 1),
                     "waiting": max(0, self.waiting - len(self.groups)),  # groups a blocked trainer still lacks
-                    "leased": {w: n for w, (n, until) in self.leases.items() if until > now and n > 0},
+                    "leased": {w: n for w, (n, until, _) in self.leases.items() if until > now and n > 0},
                     "trainer_version": self.trainer_version, "state": self.state(), "max_groups": self.max_groups,
                     "contract": self.contract, "staleness": {str(k): v for k, v in sorted(self.staleness.items()) if v},
                     "workers": {k: dict(v) for k, v in self.workers.items()}, "uptime_s": round(time.time() - self.started, 1)}
@@ -551,7 +585,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             groups = validate_rollouts(self._read_json(), b.max_groups, b.contract)
             for i, g in enumerate(groups):
                 self._check_worker(g["worker"], f"groups[{i}].worker")
-            return b.add(groups)
+            return b.add(groups, limited=self.bound is not None)  # a replica's credential: its lease holds
         if path == "/batch":
             q = parse_query(query, {"groups": None, "timeout": "0"})
             groups, version = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q), self._peer_gone)
@@ -765,8 +799,9 @@ def main(argv=None):
     a("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
     a("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     for key, default in CONTRACT.items():  # the run's contract: every role takes it from GET /config
-        a("--" + key.replace("_", "-"), type=type(default), default=default, help=CONTRACT_HELP[key],
-          choices=("keep", "drop") if key == "zero_variance" else None)
+        a("--" + key.replace("_", "-"), type=float if key == "reward_range" else type(default), default=default,
+          help=CONTRACT_HELP[key], choices=("keep", "drop") if key == "zero_variance" else None,
+          nargs=2 if key == "reward_range" else None, metavar=("LO", "HI") if key == "reward_range" else None)
     a("--max-groups", type=int, default=4096, help="buffer size in groups (429 when full)")
     a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB, ~70 bytes a token (429 when full)")
     a("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
