@@ -704,6 +704,31 @@ def test_a_batch_whose_answer_cannot_be_written_goes_back_to_the_buffer_in_order
     assert (st["delivered"], st["buffered"], st["buffered_mb"]) == (8, 0, 0.0) and identity_holds(st)
 
 
+def test_a_batch_the_trainer_never_acknowledged_comes_back_to_the_next_one(proxy):
+    url, server = proxy()
+    post(url, *[make_group(f"g{i}") for i in range(5)])
+    ProxyClient(url).set_version(0)
+    with socket.create_connection(("127.0.0.1", server.server_address[1])) as s:  # a trainer's client...
+        s.sendall(b"GET /batch?groups=3&ack=0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")  # ... read it, and was killed before it used it
+    assert status.startswith(b"HTTP/1.1 200") and json.loads(body)["delivery"] == 1
+    assert stats(url)["unconfirmed"] == 3
+    restarted = ProxyClient(url)  # acknowledges nothing (ack=0): the unacknowledged 3 come back first
+    first = restarted.get_batch(2, timeout=0)["groups"]
+    assert [g["group_id"] for g in first] == ["g0", "g1"]
+    second = restarted.get_batch(3, timeout=0)["groups"]  # this call acknowledges the first answer
+    assert [g["group_id"] for g in second] == ["g2", "g3", "g4"]
+    s = stats(url)
+    assert (s["returned"], s["delivered"], s["unconfirmed"], s["buffered"]) == (3, 5, 3, 0) and identity_holds(s)
+    restarted.set_version(1)  # a step was made from them: all read
+    s = stats(url)
+    assert (s["unconfirmed"], s["delivered"], s["returned"]) == (0, 5, 3) and identity_holds(s)
+    assert requests.get(url + "/batch?groups=1&ack=x").status_code == 400
+
+
 def test_a_request_trickled_byte_by_byte_is_cut_off_at_the_deadline(proxy):
     url, server = proxy(request_timeout=1.0)
     closed_after = None
@@ -729,8 +754,8 @@ def test_connections_over_the_cap_get_503_at_once(proxy):
     url, server = proxy(max_connections=2)
     port = server.server_address[1]
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-    for s in held:  # both served: each holds a keep-alive connection, so a slot
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    for s in held:  # both served (no token here: authenticated): each holds a keep-alive connection, a slot
+        s.sendall(b"GET /config HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # sends nothing, yet is answered
         answer = b""
@@ -741,6 +766,79 @@ def test_connections_over_the_cap_get_503_at_once(proxy):
     until(lambda: healthy(url))
     held[0].close()
     assert stats(url)["refused_connections"] >= 1
+
+
+def test_idle_unauthenticated_sockets_cannot_starve_the_trainer(proxy, capsys):
+    for cap, idle in [(16, 40), (256, 400)]:  # a small cap, and the default one
+        url, server = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_connections=cap)
+        port = server.server_address[1]
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(idle)]  # never send a byte
+        try:
+            time.sleep(0.5)
+            t0 = time.time()
+            trainer = ProxyClient(url, token=TOKEN, max_wait=5)
+            trainer.set_version(0)
+            assert trainer.get_batch(1, timeout=0)["groups"] == [] and time.time() - t0 < 3
+            replica = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r0"), max_wait=5)
+            assert replica.stats()["closed_idle"] >= idle - cap
+        finally:
+            for s in socks:
+                s.close()
+    assert "retrying" not in capsys.readouterr().err  # no 503 on the way
+
+
+def test_replica_connections_leave_a_reserve_for_the_trainer(proxy):
+    url, server = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_connections=16)  # reserve: 16 // 8
+    port, cred = server.server_address[1], replica_token(REPLICA_TOKEN, "r0")
+    request = f"GET /config HTTP/1.1\r\nHost: x\r\nX-Proxy-Token: {cred}\r\n\r\n".encode()
+    held = []
+    for _ in range(15):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(request)
+        held.append((s, s.recv(4096)))
+    codes = [answer.split()[1] for _, answer in held]
+    assert codes == [b"200"] * 14 + [b"503"], codes  # the 15th replica connection: over the replicas' share
+    assert b"a reserve for the trainer" in held[-1][1] + held[-1][0].recv(4096)
+    assert ProxyClient(url, token=TOKEN, max_wait=0).stats()["state"] == "waiting"  # the trainer gets in
+    for s, _ in held:
+        s.close()
+
+
+def test_a_big_body_is_refused_from_its_header_and_freezes_nothing(proxy):
+    url, server = proxy(token=TOKEN, num_generations=8)
+    port, limit = server.server_address[1], 16 * (8 * 256 * 64 + 1024 * 32)  # the default contract's: 2.5 MiB
+    slow = []
+
+    def send(size, trickle):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /rollouts HTTP/1.1\r\nX-Proxy-Token: %s\r\nContent-Length: %d\r\n\r\n"
+                      % (TOKEN.encode(), size))
+            try:
+                body = b'{"groups": [' + b"[]," * ((size - 16) // 3) + b"[]"  # valid JSON: parsed whole
+                body += b" " * (size - len(body) - 2) + b"]}"
+                for i in range(0, size, 2**20):  # a MiB at a time
+                    s.sendall(body[i:i + 2**20])
+                    time.sleep(trickle)
+                slow.append(s.recv(200).split(b" ")[1])
+            except OSError:  # refused from the header: the proxy hung up while the body still came
+                slow.append(b"closed")
+
+    senders = [threading.Thread(target=send, args=(48 * 2**20, 0.0)),
+               threading.Thread(target=send, args=(limit - 10, 0.5))]
+    for th in senders:
+        th.start()
+    latencies = []
+    while any(th.is_alive() for th in senders):
+        t0 = time.time()
+        assert requests.get(url + "/healthz", timeout=10).status_code == 200
+        assert stats(url, headers=auth(), timeout=10)["state"] == "waiting"
+        latencies.append(time.time() - t0)
+        time.sleep(0.05)
+    assert len(latencies) > 5 and max(latencies) < 1.5, latencies
+    big = raw_request(port, b"POST /rollouts HTTP/1.1\r\nX-Proxy-Token: %s\r\nContent-Length: %d\r\n\r\n"
+                      % (TOKEN.encode(), 48 * 2**20))
+    assert big[0] == 413 and b"--max-body-mb 2.5 (2621440 bytes)" in big[2] and b"raise proxy.py --max-body-mb" in big[2]
+    assert sorted(slow) in ([b"400", b"413"], [b"400", b"closed"]), slow  # the trickled one: parsed, refused
 
 
 def cpu_seconds(pid):
