@@ -77,6 +77,10 @@ class TrainerError(Exception):
     """A misconfiguration or a run that cannot go on; the message says what to do."""
 
 
+def delta_or_none(v):
+    return None if v.lower() == "none" else float(v)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
@@ -92,7 +96,7 @@ def parse_args(argv=None):
     # the loss, as TRL names it
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
-    a("--delta", type=lambda v: None if v.lower() == "none" else float(v), default=DELTA,
+    a("--delta", type=delta_or_none, default=DELTA,
       help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
            f"'none': off (default {DELTA}: one group cannot steer a step)")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
@@ -147,8 +151,7 @@ def flatten_groups(groups, max_completion_length):
     in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
     return [{"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
              "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
-             "policy_version": int(g["policy_version"]), "group": k, "worker": g.get("worker"),
-             "truncated": len(c["ids"]) > max_completion_length}
+             "policy_version": int(g["policy_version"]), "truncated": len(c["ids"]) > max_completion_length, "group": k}
             for k, g in enumerate(groups) for c in g["completions"]]  # proxy-checked: G completions, a log-prob per id
 
 
