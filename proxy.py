@@ -11,7 +11,9 @@ buffer, the trainer's version, the generation quota and the end of the run.
     GET  /healthz   no token
 
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
-out. Fields and status codes: README.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
+out; so is a replica's group beyond what /quota leased it (over_quota). A /batch answer the trainer
+does not acknowledge (?ack=, ProxyClient does) comes back to the buffer. Fields and status codes:
+README.md; hostile peers: docs/hostile-peers.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
 Tokens travel as `X-Proxy-Token: <token>` (Authorization is left to a gateway such as HF Jobs'). A
 replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
 
