@@ -488,7 +488,8 @@ class ProxyHandler(proxy_http.Handler):
             ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
             groups, version, delivery = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q),
                                                self.peer_gone, ack)
-            return {"groups": groups, "trainer_version": version, "delivery": delivery}
+            answer = {"groups": groups, "trainer_version": version}
+            return answer if delivery is None else {**answer, "delivery": delivery}  # to acknowledge
         if path == "/quota":
             q = parse_query(query, {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"})
             check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
