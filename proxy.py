@@ -11,7 +11,9 @@ buffer, the trainer's version, the generation quota and the end of the run.
     GET  /healthz   no token
 
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
-out. Fields and status codes: README.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
+out; so is a replica's group beyond what /quota leased it (over_quota). A /batch answer the trainer
+does not acknowledge (?ack=, ProxyClient does) comes back to the buffer. Fields and status codes:
+README.md; hostile peers: docs/hostile-peers.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
 Tokens travel as `X-Proxy-Token: <token>` (Authorization is left to a gateway such as HF Jobs'). A
 replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
 
@@ -46,7 +48,7 @@ MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")  # in total and per worker
+WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")  # total, per worker
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
           "/batch": "GET", "/version": "POST", "/done": "POST"}
 REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}  # what the replicas' token opens
@@ -68,7 +70,7 @@ class ConfigError(ValueError):
 # ---- credentials: the trainer's token, the replicas' secret R, a replica's name bound to R -------
 
 def replica_token(secret, worker):
-    """A replica's credential bound to its worker name: `worker:mac`, mac = HMAC-SHA256(R, worker)[:32]."""
+    """A replica's credential bound to its worker name: `worker:mac`, mac = HMAC-SHA256_R(worker)[:32]."""
     return f"{worker}:{hmac.new(secret.encode(), worker.encode(), hashlib.sha256).hexdigest()[:32]}"
 
 
@@ -80,7 +82,8 @@ def replica_worker(secret, got):
     if hmac.compare_digest(got, secret.encode()):
         return ""
     worker = got.rpartition(b":")[0].decode("latin-1")
-    ok = NAME[0](worker) and hmac.compare_digest(got, replica_token(secret, worker).encode("latin-1", "replace"))
+    want = replica_token(secret, worker).encode("latin-1", "replace")
+    ok = NAME[0](worker) and hmac.compare_digest(got, want)
     return worker if ok else None
 
 
@@ -169,7 +172,7 @@ CONTRACT_HELP = {"num_generations": "completions per prompt, G",
                  "temperature": "sampling temperature (the trainer divides its logits by it)",
                  "max_new_tokens": "longest completion (the trainer's max_completion_length)",
                  "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop (DAPO)",
-                 "max_prompt_length": "longest prompt in tokens a group may carry (TRL's old GRPOConfig name)",
+                 "max_prompt_length": "longest prompt a group may carry, in tokens (TRL's old GRPOConfig name)",
                  "reward_range": "LO HI: every reward lies in [LO, HI] (every task here scores 0 or 1)"}
 
 
@@ -183,7 +186,8 @@ class RolloutBuffer:
         works = {"num_generations": c["num_generations"] >= 2, "groups_per_step": c["groups_per_step"] >= 1,
                  "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
                  "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop"),
-                 "max_prompt_length": c["max_prompt_length"] >= 1, "reward_range": -MAX_ABS < lo < hi < MAX_ABS}
+                 "max_prompt_length": c["max_prompt_length"] >= 1,
+                 "reward_range": -MAX_ABS < lo < hi < MAX_ABS}
         for key in (k for k, ok in works.items() if not ok):
             raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, "
                               "groups-per-step >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, "
@@ -217,7 +221,7 @@ class RolloutBuffer:
 
     def add(self, groups, limited=False):
         """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't fit.
-        `limited` (a replica's credential): new groups beyond the sender's lease are counted and dropped."""
+        `limited` (a replica's credential): new groups beyond the sender's lease are counted, dropped."""
         if (size := sum(map(group_bytes, groups))) > self.max_bytes:
             raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
                            f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
@@ -285,7 +289,7 @@ class RolloutBuffer:
                                payload={"need_version": True})
             if ack is not None:
                 self.unconfirmed.pop(ack, None)
-                for d in sorted(self.unconfirmed, reverse=True):  # the newest first: the oldest ends in front
+                for d in sorted(self.unconfirmed, reverse=True):  # newest first: the oldest ends in front
                     self._give_back(*self.unconfirmed.pop(d))
             self.waiting += n  # seen by /stats while wait_for() has released the lock
             self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed, timeout)
@@ -295,11 +299,12 @@ class RolloutBuffer:
             delivery = None
             if out and ack is not None:
                 self.deliveries += 1
-                delivery, self.unconfirmed[self.deliveries] = self.deliveries, (out, self.trainer_version)
+                delivery = self.deliveries
+                self.unconfirmed[delivery] = (out, self.trainer_version)
             return out, self.trainer_version, delivery
 
     def give_back(self, groups, version, delivery=None):
-        """Groups whose GET /batch answer could not be written (the client went away): back to the front."""
+        """Groups whose GET /batch answer could not be written (the client left): back to the front."""
         with self.cond:
             self.unconfirmed.pop(delivery, None)
             self._give_back(groups, version)
@@ -375,7 +380,7 @@ class RolloutBuffer:
     def quota(self, worker, version, most, timeout):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end of the run."""
         with self.cond:
-            if worker not in self.leases and len(self.leases) >= MAX_WORKERS:  # a bounded table: drop expired
+            if worker not in self.leases and len(self.leases) >= MAX_WORKERS:  # bounded: drop expired ones
                 now = time.monotonic()
                 self.leases = {w: lease for w, lease in self.leases.items() if lease[1] > now}
                 if len(self.leases) >= MAX_WORKERS:
@@ -439,7 +444,8 @@ class ProxyHandler(proxy_http.Handler):
         except OSError:  # the client went away: the groups it did not get go back to the buffer
             self.close_connection = True
             if path == "/batch" and code == 200:
-                self.buffer.give_back(payload["groups"], payload["trainer_version"], payload.get("delivery"))
+                self.buffer.give_back(payload["groups"], payload["trainer_version"],
+                                      payload.get("delivery"))
 
     do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
 
@@ -454,12 +460,12 @@ class ProxyHandler(proxy_http.Handler):
             return
         got = self.headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")  # compared in constant time
         trainer = not self.token or hmac.compare_digest(got, self.token.encode())
-        self.bound = None if trainer else replica_worker(self.rollout_token, got)  # "": unbound, else the name
+        self.bound = None if trainer else replica_worker(self.rollout_token, got)  # "": unbound, or a name
         if not trainer and self.bound is None:
-            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's PROXY_TOKEN, or "
-                           "the replicas' ROLLOUT_TOKEN); Authorization is left to a gateway", 401,
+            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's "
+                           "PROXY_TOKEN, or the replicas' ROLLOUT_TOKEN); Authorization is left to a gateway", 401,
                            {"WWW-Authenticate": f'ProxyToken header="{TOKEN_HEADER}"'})
-        self.server.authenticated(self.connection, "trainer" if trainer else "replica")  # 503: replicas' share
+        self.server.authenticated(self.connection, "trainer" if trainer else "replica")  # 503: too many
         if self.bound is not None and path not in REPLICA_PATHS:
             raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' (--rollout-token, "
                            "ROLLOUT_TOKEN): only the trainer drains /batch, sets the version and ends the run", 403)
@@ -467,8 +473,8 @@ class ProxyHandler(proxy_http.Handler):
 
     def _check_worker(self, worker, where):  # a bound credential speaks for its own worker name only
         if self.bound and worker != self.bound:
-            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker {self.bound!r} "
-                           "(proxy.py --print-replica-token NAME makes one per replica)", 403)
+            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker "
+                           f"{self.bound!r} (proxy.py --print-replica-token NAME makes one per replica)", 403)
 
     def _route(self, path, query):
         b = self.buffer
@@ -476,13 +482,14 @@ class ProxyHandler(proxy_http.Handler):
             groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
             for i, g in enumerate(groups):
                 self._check_worker(g["worker"], f"groups[{i}].worker")
-            return b.add(groups, limited=self.bound is not None)  # a replica's credential: its lease holds
+            return b.add(groups, limited=self.bound is not None)  # a replica's credential: its lease
         if path == "/batch":
             q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
             ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
             groups, version, delivery = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q),
                                                self.peer_gone, ack)
-            return {"groups": groups, "trainer_version": version, "delivery": delivery}
+            answer = {"groups": groups, "trainer_version": version}
+            return answer if delivery is None else {**answer, "delivery": delivery}  # to acknowledge
         if path == "/quota":
             q = parse_query(query, {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"})
             check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
@@ -539,14 +546,16 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
     if rollout_token and (rollout_token == token or not token):
         raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token (PROXY_TOKEN): "
                           "the trainer's token opens every endpoint, the replicas' only theirs")
-    limits = (max_groups, max_buffer_mb, 1 if max_body_mb is None else max_body_mb, request_timeout, max_connections)
+    body_mb = 1 if max_body_mb is None else max_body_mb
+    limits = (max_groups, max_buffer_mb, body_mb, request_timeout, max_connections)
     if min(limits) <= 0 or set(contract) - set(CONTRACT):
         raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, --max-connections must "
                           f"be > 0; unknown settings {sorted(set(contract) - set(CONTRACT))}")
     buffer = RolloutBuffer(contract, max_groups, int(max_buffer_mb * 2**20), lease_timeout=lease_timeout)
     max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
     handler = type("BoundProxyHandler", (ProxyHandler,), dict(  # the state of this server, no module globals
-        buffer=buffer, token=token, rollout_token=rollout_token, max_body=max_body, timeout=request_timeout))
+        buffer=buffer, token=token, rollout_token=rollout_token, max_body=max_body,
+        timeout=request_timeout))
     server = ProxyServer((host, port), handler, max_connections, log_every)
     thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="proxy", daemon=True)
     thread.start()
@@ -563,7 +572,8 @@ class ProxyClient:
     `gateway_token` (default: GATEWAY_TOKEN), sent as `Authorization: Bearer`: for a gateway only."""
     HINTS = {401: " (check the token: PROXY_TOKEN for the trainer, ROLLOUT_TOKEN for replicas when the proxy "
                   "has one)",
-             403: " (a replica's token opens its own endpoints and worker name only: give the trainer PROXY_TOKEN)",
+             403: " (a replica's token opens its own endpoints and worker name only: give the trainer "
+                  "PROXY_TOKEN)",
              404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
              413: " (send fewer groups per POST or raise the proxy's --max-body-mb / --max-buffer-mb)"}
 
@@ -576,7 +586,7 @@ class ProxyClient:
         self.delivery = 0  # the last GET /batch answer read, acknowledged by the next call (0: none yet)
         if token := token or os.environ.get("PROXY_TOKEN"):
             self.session.headers[TOKEN_HEADER] = token
-        if gateway := gateway_token or os.environ.get("GATEWAY_TOKEN"):  # opens a gateway (HF Jobs) in front
+        if gateway := gateway_token or os.environ.get("GATEWAY_TOKEN"):  # a gateway in front (HF Jobs)
             self.session.headers["Authorization"] = f"Bearer {gateway}"
 
     def contract(self, flags=None, **given):
@@ -674,9 +684,10 @@ def main(argv=None):
     a("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
     a("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     for key, default in CONTRACT.items():  # the run's contract: every role takes it from GET /config
-        a("--" + key.replace("_", "-"), type=float if key == "reward_range" else type(default), default=default,
+        pair = key == "reward_range"  # LO HI
+        a("--" + key.replace("_", "-"), type=float if pair else type(default), default=default,
           help=CONTRACT_HELP[key], choices=("keep", "drop") if key == "zero_variance" else None,
-          nargs=2 if key == "reward_range" else None, metavar=("LO", "HI") if key == "reward_range" else None)
+          nargs=2 if pair else None, metavar=("LO", "HI") if pair else None)
     a("--max-groups", type=int, default=4096, help="buffer size in groups (429 when full)")
     a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB, ~70 bytes a token (429 when full)")
     a("--max-body-mb", type=float, help="largest request body in MiB, 413 above (default: groups-per-step "

@@ -37,7 +37,8 @@ CHUNK = 2**20       # a body is read a MiB at a time, each read under the reques
 
 
 class ApiError(Exception):
-    """A refused request: HTTP status `code` (400: malformed), a message naming the field or what to do."""
+    """A refused request: HTTP status `code` (400: malformed), a message naming the field or what
+    to do."""
 
     def __init__(self, message, code=400, headers=None, payload=None):
         super().__init__(message)
@@ -53,7 +54,7 @@ def parse_json(body):
     """NaN and Infinity parse (as Python's json does) so that validation can name their field."""
     try:
         return json.loads(body)
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, ints over 4300 digits, deep nesting
+    except (ValueError, RecursionError) as e:  # bad JSON/UTF-8, ints of 4300+ digits, deep nesting
         raise ApiError(f"body: not valid JSON ({str(e)[:120]})") from None
 
 
@@ -62,7 +63,8 @@ def parse_query(query, spec):
     (None: required)."""
     pairs = parse_qsl(query, keep_blank_values=True)  # http.server caps the request line at 64 KiB
     q = dict(pairs)
-    check(set(q) <= set(spec) and len(q) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
+    expected = "expected " + "&".join(f"{k}=.." for k in spec)
+    check(set(q) <= set(spec) and len(q) == len(pairs), "query", expected)
     for key in (k for k, v in spec.items() if v is None and k not in q):
         raise ApiError(f"{key}: missing")
     return {**spec, **q}
@@ -75,8 +77,9 @@ def query_int(q, key, lo, hi):
     return int(v)
 
 
-def query_seconds(q):  # a long poll's timeout: a plain decimal (no sign, NaN or inf), cut to MAX_POLL_S
-    check(re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", q["timeout"], re.ASCII), "timeout", "must be seconds >= 0")
+def query_seconds(q):  # a long poll's timeout: a plain decimal (no sign, NaN, inf), cut to MAX_POLL_S
+    plain = re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", q["timeout"], re.ASCII)
+    check(plain, "timeout", "must be seconds >= 0")
     return min(float(q["timeout"]), MAX_POLL_S)
 
 
@@ -95,11 +98,11 @@ class DeadlineReader(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """JSON in and out, quiet, keep-alive, one deadline per request. Subclasses set do_GET/do_POST."""
+    """JSON in and out, quiet, keep-alive, one deadline per request. Subclasses set do_GET, do_POST."""
     protocol_version = "HTTP/1.1"   # keep-alive: a replica reuses its connection
     disable_nagle_algorithm = True  # an answer goes out at once, not after a delayed ACK
     server_version, sys_version = "proxy.py", ""  # no Python version advertised
-    default_request_version = "HTTP/1.0"  # so that even a garbled request line gets a status line back
+    default_request_version = "HTTP/1.0"  # even a garbled request line gets a status line back
     max_body = 0  # bytes; serve() binds one server's own
 
     def setup(self):
@@ -108,7 +111,7 @@ class Handler(BaseHTTPRequestHandler):
         self.reader = DeadlineReader(self.connection, "rb")
         self.reader.timeout, self.rfile = self.timeout, io.BufferedReader(self.reader)
 
-    def handle_one_request(self):  # the deadline covers the wait for the request line too (idle keep-alive)
+    def handle_one_request(self):  # the deadline covers the wait for the request line (keep-alive)
         self.reader.deadline = time.monotonic() + self.timeout
         self._body_pending = False
         super().handle_one_request()
@@ -117,7 +120,7 @@ class Handler(BaseHTTPRequestHandler):
     def parse_request(self):
         if ok := super().parse_request():
             self.server.busy(self.connection)  # a request is being served: not evicted under it
-            self._body_pending = "Content-Length" in self.headers or "Transfer-Encoding" in self.headers
+            self._body_pending = any(h in self.headers for h in ("Content-Length", "Transfer-Encoding"))
         return ok
 
     def log_message(self, format, *args):  # quiet: the server logs a summary once a minute
@@ -134,7 +137,8 @@ class Handler(BaseHTTPRequestHandler):
         if 400 <= code < 500 and code != 429:  # a bad request; 429 (full) is one to retry
             self.server.count("rejected")
         body = json.dumps(payload, separators=(",", ":")).encode()
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                   **(headers or {})}
         if self.close_connection or self._body_pending:
             headers["Connection"] = "close"  # an unread body must not be parsed as a request
             self.close_connection = True
@@ -154,23 +158,27 @@ class Handler(BaseHTTPRequestHandler):
         n = lengths[0].strip()
         check(len(lengths) == 1 and n.isascii() and n.isdigit() and len(n) <= 18, "Content-Length",
               "must be one non-negative integer")
-        if (n := int(n)) > self.max_body:  # refused from the header alone; the connection is then closed
-            raise ApiError(f"body of {n} bytes exceeds --max-body-mb {self.max_body / 2**20:g} ({self.max_body} "
-                           "bytes): send fewer groups per POST, or raise proxy.py --max-body-mb", 413)
+        if (n := int(n)) > self.max_body:  # refused from the header alone; the connection then closed
+            raise ApiError(f"body of {n} bytes exceeds --max-body-mb {self.max_body / 2**20:g} "
+                           f"({self.max_body} bytes): send fewer groups per POST, or raise proxy.py "
+                           "--max-body-mb", 413)
         body = bytearray()
         try:
             while len(body) < n and (chunk := self.rfile.read(min(CHUNK, n - len(body)))):
                 body += chunk
         except TimeoutError:
-            raise ApiError(f"request not received within --request-timeout {self.timeout:g} s", 408) from None
+            raise ApiError(f"request not received within --request-timeout {self.timeout:g} s",
+                           408) from None
         except OSError:
             raise ApiError("body: the connection broke while it was read") from None
-        check(len(body) == n, "body", f"ended after {len(body)} of the {n} bytes of its Content-Length")
+        check(len(body) == n, "body", f"ended after {len(body)} of the {n} bytes of its "
+              "Content-Length")
         self._body_pending = False
         return parse_json(body)
 
     def peer_gone(self):
-        """True when the client hung up while it waited (a trainer killed mid-poll): hand it nothing."""
+        """True when the client hung up while it waited (a trainer killed mid-poll): hand it
+        nothing."""
         poll = select.poll()
         poll.register(self.connection, select.POLLIN)
         try:
@@ -183,8 +191,8 @@ class Server(ThreadingHTTPServer):
     """One thread per connection, at most `max_connections`, by class (the module's docstring).
     `count(key)`: the subclass's counters (rejected, refused_connections, closed_idle)."""
     daemon_threads = True
-    block_on_close = False  # long polls and idle keep-alive connections must not hold up server_close()
-    request_queue_size = 1024  # socketserver's 5 drops connections when many replicas (re)connect at once
+    block_on_close = False  # long polls and idle keep-alive connections don't hold up server_close()
+    request_queue_size = 1024  # socketserver's 5 drops connections when replicas reconnect at once
     BUSY = json.dumps({"error": "too many connections (--max-connections): retry later"}).encode()
 
     def __init__(self, address, handler, max_connections=256):
@@ -203,7 +211,7 @@ class Server(ThreadingHTTPServer):
     def get_request(self):
         try:
             return super().get_request()
-        except OSError as e:  # out of file descriptors, the listening socket stays readable: back off, don't spin
+        except OSError as e:  # out of file descriptors, the socket stays readable: back off, no spin
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 time.sleep(0.1)
             raise
@@ -236,8 +244,9 @@ class Server(ThreadingHTTPServer):
         self.count("refused_connections")
         try:  # answered at once from the accept loop, without waiting on the client
             request.setblocking(False)
-            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                         b"Retry-After: %d\r\nContent-Length: %d\r\n\r\n%s" % (RETRY_AFTER_S, len(self.BUSY), self.BUSY))
+            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nRetry-After: %d\r\nContent-Length: %d\r\n\r\n%s"
+                         % (RETRY_AFTER_S, len(self.BUSY), self.BUSY))
         except OSError:
             pass
         self.shutdown_request(request)
