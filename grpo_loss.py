@@ -23,6 +23,9 @@ Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.033
    token of a long one.
 4. Asymmetric clipping: `epsilon_high` may exceed `epsilon` ("clip-higher", DAPO sec. 3.1), and
    `delta` caps the ratio of negative-advantage tokens too (two-sided clipping, TRL's `delta`).
+   policy_loss's default is TRL's (None: off); trainer.py turns it on by default (--delta 2.0),
+   since a replica can send log-probs that make one group's ratio ~4e8: above delta a token of
+   either sign has no gradient, so such a group cannot steer the step.
 5. Advantages add 1e-4 to the std (a group with equal rewards gets advantage 0, not NaN) and can
    be scaled by the batch std or not at all (`scale_rewards="none"`, Dr. GRPO arXiv 2503.20783).
 6. The log-ratio is 0 on padding and at most LOG_RATIO_MAX = 20 (a ratio of 4.9e8) before exp().
@@ -197,9 +200,13 @@ def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None
 
 
 def all_finite(tensors):
-    """True when every tensor (e.g. each LoRA parameter's .grad; None is skipped) is finite."""
-    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
-    return bool(torch.stack(flags).all()) if flags else True
+    """True when every tensor (e.g. each LoRA parameter's .grad; None is skipped) is finite.
+    The tensors may live on different devices: each device's flags are reduced there, to one bool."""
+    flags = {}  # device -> 0-dim bool tensors on it
+    for t in tensors:
+        if t is not None:
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())  # () on t's device
+    return all(bool(torch.stack(f).all()) for f in flags.values())
 
 
 def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):

@@ -332,6 +332,7 @@ class Replica:
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = self.trainer_version = None  # adapter version in the engine; the trainer's, from /quota
         self.reload_s, self.batches, self.why, self.lag_logged = 0.0, 0, None, None  # why, lag_logged: logged once
+        self.corrupt = None  # the last version refresh found corrupt (said once, not called a lag)
 
     def log(self, msg):
         print(f"[{self.worker}] {msg}", flush=True)
@@ -352,6 +353,9 @@ class Replica:
                 raise
             if latest is None:  # LATEST unreadable: the bucket is down (files behind LATEST missing: a mount's lag)
                 self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
+            elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
+                self.log(f"adapter v{latest} is corrupt, still serving v{self.version}: {e}")
+            self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
             return
         t1 = time.time()
         self.engine.load_adapter(latest, path)  # hot: no engine restart
@@ -370,7 +374,7 @@ class Replica:
         if lagging := t is not None and t > self.version:  # the newest adapter makes the same groups fresher
             self.refresh()
             lagging = t > self.version  # still: not visible in the bucket yet (a mount lags 10-30 s)
-            if lagging and self.lag_logged != t:
+            if lagging and self.lag_logged != t and self.corrupt != t:  # corrupt: refresh said so
                 self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
                          f"v{self.version}: a mount lagging, or not the trainer's --bucket")
                 self.lag_logged = t

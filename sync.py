@@ -39,10 +39,18 @@ import uuid
 LATEST, STATE, MANIFEST = "adapters/LATEST", "trainer/STATE", "manifest.json"
 VERSION_KEY, METRICS_KEY = re.compile(r"^adapters/v(\d{6,})/"), re.compile(r"^metrics/step-(\d{6,})\.json$")
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")  # one part of a file name read from the bucket
+MAX_VERSION = 2**31  # versions are < 2^31, as the proxy's
+TEMP_KEY = re.compile(r"^(adapters/\.LATEST|metrics/\.step-\d{6,}\.json)\.[0-9a-f]{8}\.tmp$")  # DirBucket
+TEMP_MAX_AGE_S = 600.0  # a temp file this old is a killed write's: publish_adapter deletes it
+PULLED = ".pulled-by-sync"  # the mark pull_adapter leaves in each folder it creates
 
 
 class BucketError(Exception):
     """Something the user can fix; the message says what was wrong and what to set or do."""
+
+
+class CorruptAdapter(BucketError):
+    """A file holds other bytes than its manifest lists (no lagging mount does: versions never change)."""
 
 
 class _Outage(Exception):
@@ -171,6 +179,14 @@ class DirBucket(Bucket):
                 keys += [k for n in names if (k := f"{rel}/{n}" if rel else n).startswith(prefix)]
         return sorted(keys)
 
+    def prune_temp(self, older_than=TEMP_MAX_AGE_S):
+        """Delete the temp files of LATEST and metrics writes a kill cut short (older_than s old)."""
+        for key in self.list("adapters/.") + self.list("metrics/."):
+            with contextlib.suppress(OSError), self._folder(key) as (fd, name):
+                age = time.time() - os.lstat(name, dir_fd=fd).st_mtime
+                if TEMP_KEY.match(key) and age > older_than:
+                    os.unlink(name, dir_fd=fd)
+
     def delete(self, key):
         with contextlib.suppress(OSError):
             with self._folder(key) as (fd, name):
@@ -294,33 +310,41 @@ def _safe_name(where, name):
 
 def _try_fetch(b, prefix):
     """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
-    manifest, None) when all match, else (None, what is wrong, e.g. "KEY is missing")."""
+    manifest, None, False) when all match, else (None, what is wrong, e.g. "KEY is missing",
+    corrupt: True when a file has as many bytes as listed or more, yet other ones: no lag does it)."""
     raw = b.read(prefix + MANIFEST)
     try:  # json.loads(None) is a TypeError: a missing manifest lands here too
         entries = {n: {"sha256": e["sha256"], "bytes": e["bytes"]} for n, e in json.loads(raw)["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
-        return None, f"{prefix}{MANIFEST} {'is missing' if raw is None else 'is not a complete manifest'}"
+        why = "is missing" if raw is None else "is not a complete manifest"
+        return None, f"{prefix}{MANIFEST} {why}", False
     files = {MANIFEST: raw}
     for name, entry in sorted(entries.items()):
         data = files[name] = b.read(prefix + _safe_name(f"{b.url}: {prefix}{MANIFEST}", name))
         if data is None:
-            return None, f"{prefix}{name} is missing"
+            return None, f"{prefix}{name} is missing", False
         if _entry(data) != entry:
+            corrupt = not isinstance(entry["bytes"], int) or len(data) >= entry["bytes"]
             return None, (f"{prefix}{name} has {len(data)} bytes not matching the manifest "
-                          f"({entry['bytes']} bytes, sha256)")
-    return files, None
+                          f"({entry['bytes']} bytes, sha256)"), corrupt
+    return files, None, False
 
 
 def _fetch_verified(b, prefix, timeout, what):
-    """_try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed."""
+    """_try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed.
+    CorruptAdapter when the last look found other bytes than the manifest's, else BucketError."""
     deadline, delay = time.monotonic() + timeout, 0.05
-    files, problem = _try_fetch(b, prefix)
+    files, problem, corrupt = _try_fetch(b, prefix)
     while files is None and (left := deadline - time.monotonic()) > 0:  # the backoff of Bucket._retrying
         if delay == 0.05:  # one line per wait, on the role's stderr
             print(f"sync.py: {b.url}: waiting for {what}: {problem}", file=sys.stderr, flush=True)
         time.sleep(min(delay, left))
         delay = min(2 * delay, 2.0)
-        files, problem = _try_fetch(b, prefix)
+        files, problem, corrupt = _try_fetch(b, prefix)
+    if corrupt:
+        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; its writer (or someone with "
+                             "write access to the bucket) changed it after its manifest: the next "
+                             "version replaces it")
     if files is None:
         raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {problem}; check that the "
                           f"writer finished (python sync.py ls {b.url}) and was not pruned, or raise the timeout")
@@ -333,8 +357,14 @@ def _verified_local(folder):
 
 
 def versions(bucket):
-    """Sorted adapter versions that have at least one key in the bucket (complete or not)."""
-    return sorted({int(m.group(1)) for k in _open(bucket).list("adapters/v") if (m := VERSION_KEY.match(k))})
+    """Sorted adapter versions that have at least one key in the bucket (complete or not);
+    BucketError for a folder numbered 2^31 or more (a number trainer.py never publishes)."""
+    b = _open(bucket)
+    found = sorted({int(m.group(1)) for k in b.list("adapters/v") if (m := VERSION_KEY.match(k))})
+    if found and found[-1] >= MAX_VERSION:
+        raise BucketError(f"{b.url}: adapters/v{found[-1]:06d}/ is numbered past the versions' limit "
+                          f"2^31 - 1: not written by trainer.py; delete that folder")
+    return found
 
 
 def latest_version(bucket):
@@ -345,9 +375,11 @@ def latest_version(bucket):
         value = json.loads(raw := b.read(LATEST))
     except (ValueError, TypeError):  # TypeError: json.loads(None), no LATEST
         return None
-    if not (isinstance(value, dict) and type(version := value.get("version")) is int and version >= 0):
-        raise BucketError(f"{b.url}: {LATEST} holds {raw[:100]!r}, not {{\"version\": N}} with an int N >= 0 as "
-                          "trainer.py writes it: delete it (the trainer's next publish writes it again)")
+    if not (isinstance(value, dict) and type(version := value.get("version")) is int
+            and 0 <= version < MAX_VERSION):
+        raise BucketError(f"{b.url}: {LATEST} holds {raw[:100]!r}, not {{\"version\": N}} with an int "
+                          "0 <= N < 2^31 as trainer.py writes it: delete it (the trainer's next publish "
+                          "writes it again)")
     return version
 
 
@@ -356,8 +388,8 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
     then adapters/LATEST; then delete all but the newest `keep` versions (None keeps all). Returns
     the manifest. Versions are immutable: an existing one, or one not newer than LATEST, is refused."""
     b, src = _open(bucket), DirBucket(adapter_dir)
-    if not isinstance(version, int) or version < 0:
-        raise BucketError(f"adapter version must be an int >= 0, got {version!r}")
+    if not isinstance(version, int) or not 0 <= version < MAX_VERSION:
+        raise BucketError(f"adapter version must be an int in [0, 2^31), got {version!r}")
     files = {_safe_name(adapter_dir, n): src.read(n) for n in src.list()  # a pulled copy has a manifest
              if "/" not in n and n != MANIFEST and not n.startswith(".")}
     if not files:
@@ -378,6 +410,8 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
         b.delete(f"adapters/v{old:06d}/{MANIFEST}")  # first: readers then see it as incomplete
         for key in b.list(f"adapters/v{old:06d}/"):
             b.delete(key)
+    if isinstance(b, DirBucket):  # S3 writes are whole objects: no temp files
+        b.prune_temp()
     return manifest
 
 
@@ -390,12 +424,15 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
         return dest
     files = _fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
     os.makedirs(dest_dir, exist_ok=True)
+    if os.path.exists(dest) and not os.path.exists(os.path.join(dest, PULLED)):
+        raise BucketError(f"{dest} exists and was not made by sync.py (no {PULLED} in it): move it "
+                          f"away, or pull into another folder than {dest_dir}")
     tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=dest_dir)
     try:
-        for fname, data in files.items():
+        for fname, data in {**files, PULLED: b""}.items():
             DirBucket(tmp).write(fname, data)
         if os.path.exists(dest) and not _verified_local(dest):
-            shutil.rmtree(dest, ignore_errors=True)  # a torn copy left by a crash
+            shutil.rmtree(dest, ignore_errors=True)  # ours (marked), but torn or changed since
         try:
             os.rename(tmp, dest)  # the whole folder at once: nobody sees half of it
         except OSError:  # another thread or process got there first

@@ -38,13 +38,26 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
 7. Completions longer than max_completion_length are cut to it (the proxy's max_new_tokens
    already bounds them); the cut ones are counted in the metrics as `truncated`.
+8. TRL's two-sided clip `delta` is on by default (2.0; TRL's default is None). A replica holds the
+   current adapter and can send log-probs far below it: without delta one such group can make
+   the ratio ~4e8 and steer the whole step. With delta a token whose ratio is above it has no
+   gradient. A group with a ratio above ABSURD_RATIO is named on stderr and counted in the
+   step's `groups_absurd_ratio`; it stays in the step (delta makes those tokens inert).
+   `--delta none` turns the cap off, as TRL's default.
+9. Groups the trainer cannot use (group_problem: no prompt or completion tokens, a token id
+   outside the vocabulary, a log-prob per id missing, a reward outside the proxy's
+   reward_range, longer than the model's context) are dropped and reported (stderr, and the
+   step's `groups_dropped`), and more groups are asked for: a step still has groups_per_step.
 """
 
 import argparse
+import hashlib
+import hmac
 import math
 import os
 import pickle
 import random
+import re
 import sys
 import tempfile
 import time
@@ -56,10 +69,16 @@ import sync
 from proxy import ProxyClient, ProxyError
 
 CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature", "max_completion_length")
+DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
+ABSURD_RATIO = 1e3  # no sampler's honest mismatch: a group with a ratio above it is named (dep. 8)
 
 
 class TrainerError(Exception):
     """A misconfiguration or a run that cannot go on; the message says what to do."""
+
+
+def delta_or_none(v):
+    return None if v.lower() == "none" else float(v)
 
 
 def parse_args(argv=None):
@@ -77,7 +96,9 @@ def parse_args(argv=None):
     # the loss, as TRL names it
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
-    a("--delta", type=float, help="TRL's two-sided clip: ratio <= delta (> 1 + epsilon_high) if advantage < 0")
+    a("--delta", type=delta_or_none, default=DELTA,
+      help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
+           f"'none': off (default {DELTA}: one group cannot steer a step)")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"], help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
@@ -116,6 +137,11 @@ def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", 
 
 def lora_parameters(model):
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(params, args):
+    """AdamW, no weight decay (departure 5); a resume state must match it (state_problem)."""
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
 
 
 # ----------------------------------------------------------------------------- batch
@@ -235,12 +261,13 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     Returns a dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max
     (ratio_mean and ratio_max are None when no group was forwarded: every advantage was 0),
     approx_kl, clip_frac, by_staleness {"0": {"approx_kl", "clip_frac", "tokens"}, ...},
-    groups_forwarded, and finite: False when the loss or a LoRA gradient is inf or NaN (then
+    groups_forwarded, absurd_ratio {group index: its largest ratio} for the groups whose ratio
+    exceeds ABSURD_RATIO, and finite: False when the loss or a LoRA gradient is inf or NaN (then
     do not step the optimizer: the weights would become NaN).
     """
     device = next(model.parameters()).device
     total_tokens = sum(len(s["ids"]) for s in seqs)
-    sums, rows, forwarded = {"loss": 0.0}, [], 0
+    sums, rows, row_groups, forwarded = {"loss": 0.0}, [], [], 0
     for idx in microbatches:
         mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: the whole micro-batch
         if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
@@ -267,6 +294,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
         per_row = grpo_loss.offpolicy_stats(logps, mb["old_logprobs"], mb["mask"], epsilon, epsilon_high)
         stale = torch.tensor([0 if version is None else version - seqs[i]["policy_version"] for i in idx])  # (n,)
         rows.append(torch.stack([stale.to(per_row["tokens"])] + [per_row[k] for k in STAT_COLUMNS], 1).cpu())  # (n, 5)
+        row_groups += [seqs[i]["group"] for i in idx]
 
     stale, tokens, approx_kl, clipped, ratio_max = (torch.cat(rows) if rows else torch.zeros(0, 5)).unbind(1)
 
@@ -281,16 +309,23 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
            "by_staleness": {str(int(s)): summary(stale == s) for s in stale.unique().tolist()},
            "groups_forwarded": forwarded}
     del out["tokens"]
-    out["finite"] = grpo_loss.all_finite([torch.tensor(out["loss"])] + [p.grad for p in model.parameters()
-                                                                         if p.requires_grad])
+    absurd = {}  # group index -> its largest ratio, for the groups over ABSURD_RATIO
+    for k, r in zip(row_groups, ratio_max.tolist()):
+        if r > ABSURD_RATIO:
+            absurd[k] = max(r, absurd.get(k, 0.0))
+    out["absurd_ratio"] = absurd
+    out["finite"] = math.isfinite(out["loss"]) and grpo_loss.all_finite(  # each on its own device
+        [p.grad for p in model.parameters() if p.requires_grad])
     return out
 
 
 # ----------------------------------------------------------------------------- data
 
-def gather_groups(client, n, wait_timeout, bucket_url, vocab_size):
-    """Long-poll the proxy until n groups are in hand: usable ones (at most max_staleness versions old; with
-    --zero-variance drop, unequal rewards), less any with a token id past the vocabulary (a broken/hostile replica)."""
+def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None, **limits):
+    """Long-poll the proxy until n usable groups are in hand (at most max_staleness versions old;
+    with --zero-variance drop, unequal rewards). A group the trainer cannot use (group_problem;
+    limits: its num_generations, context, reward_range) is dropped, named on stderr, counted in
+    `dropped`."""
     groups, start, last_log = [], time.time(), time.time()
     while len(groups) < n:
         waited = time.time() - start
@@ -305,18 +340,22 @@ def gather_groups(client, n, wait_timeout, bucket_url, vocab_size):
             print(f"waiting for groups: {len(groups)}/{n} after {waited:.0f}s; {why}")
             last_log = time.time()
         for g in client.get_batch(n - len(groups), timeout=min(30.0, wait_timeout or 30.0))["groups"]:
-            if max(max(c["ids"], default=0) for c in [{"ids": g["prompt_ids"]}, *g["completions"]]) < vocab_size:
+            if not (problem := group_problem(g, vocab_size, **limits)):
                 groups.append(g)
-            else:
-                print(f"dropped group {g['group_id']} from {g['worker']}: a token id >= the vocabulary size {vocab_size}",
-                      file=sys.stderr)
+                continue
+            if dropped is not None:
+                dropped[problem[0]] = dropped.get(problem[0], 0) + 1
+            gid, worker = (printable(g.get(k) if isinstance(g, dict) else "?")
+                           for k in ("group_id", "worker"))
+            print(f"dropped group {gid} from {worker}: {problem[1]}", file=sys.stderr)
     return groups
 
 
 # ----------------------------------------------------------------------------- state
 
-def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None):
-    """Publish the adapter as `version`; with `state`, also save the resume state (weights, optimizer, RNGs)."""
+def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None, key=None):
+    """Publish the adapter as `version`; with `state`, also save the resume state (weights,
+    optimizer, RNGs), tagged with an HMAC under `key` (env TRAINER_STATE_KEY) when there is one."""
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         sync.publish_adapter(bucket, d, version, keep=keep, base_model=base_model, step=step)
@@ -324,6 +363,9 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
             rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
             torch.save(dict(state, optimizer=optimizer.state_dict(), rng_python=random.getstate(),
                             rng_torch=torch.get_rng_state(), rng_cuda=rng_cuda), os.path.join(d, "state.pt"))
+            if key:
+                with open(os.path.join(d, STATE_TAG), "w") as f:
+                    f.write(state_tag(key, d))
             sync.save_trainer_state(bucket, d)
 
 
@@ -359,14 +401,13 @@ def train(args):
     contract = client.contract(flags={"max_new_tokens": "--max-completion-length"},  # a wrong URL/token ends here
                                **{proxy_name.get(k, k): getattr(args, k) for k in CONTRACT_FLAGS})
     vars(args).update({k: contract[proxy_name.get(k, k)] for k in CONTRACT_FLAGS})  # the run's settings: the proxy's
-    tmp = tempfile.TemporaryDirectory()
+    tmp, key = tempfile.TemporaryDirectory(), os.environ.get("TRAINER_STATE_KEY") or None
     state_dir = sync.load_trainer_state(bucket, tmp.name)
-    try:  # weights_only: a state.pt planted in the bucket cannot run code here
-        state = torch.load(os.path.join(state_dir, "state.pt"), weights_only=True) if state_dir else None
-    except pickle.UnpicklingError as e:
-        raise TrainerError(f"{bucket.url}/trainer/state.pt holds more than tensors and plain values (written by "
-                           f"something else than trainer.py?): {str(e).splitlines()[0][:200]}; remove trainer/ "
-                           "there to start fresh") from None
+    state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
+    if state is not None and (why := state_problem(state, make_optimizer([torch.zeros(1)], args))):
+        raise TrainerError(f"{bucket.url}/trainer: the resume state does not fit this trainer "
+                           f"({why}): not written by trainer.py? remove {bucket.url}/trainer to start "
+                           "fresh (and set TRAINER_STATE_KEY: an HMAC then shows who wrote it)")
     print(f"resumed from step {state['step']}, version {state['version']} (state in {bucket.url}/trainer)"
           if state else f"starting fresh: no trainer state in {bucket.url}")
     print(f"run settings from the proxy: {contract}")
@@ -384,7 +425,9 @@ def train(args):
     random.seed(args.seed)
     model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed)
     model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
-    optimizer = torch.optim.AdamW(lora_parameters(model), lr=args.learning_rate, weight_decay=0.0)
+    limits = {"num_generations": args.num_generations, "reward_range": contract.get("reward_range"),
+              "context": getattr(model.config, "max_position_embeddings", None)}  # group_problem's
+    optimizer = make_optimizer(lora_parameters(model), args)
     keep = args.max_staleness + 2  # versions kept in the bucket: every one a replica may still be using
     step, groups_consumed = (state["step"], state["groups_consumed"]) if state else (0, 0)
     if state:
@@ -401,7 +444,7 @@ def train(args):
     def publish_and_save(version, save):
         state = {"step": step, "version": version, "published_step": step, "groups_consumed": groups_consumed,
                  "args": vars(args)} if save else None
-        publish(model, bucket, version, keep, args.model, step, state, optimizer)
+        publish(model, bucket, version, keep, args.model, step, state, optimizer, key)
         client.set_version(version)  # after the files: a replica told of v finds it in the bucket
         print(f"published v{version} at step {step}" + (f"\nsaved state at step {step} (version {version})" if save else ""))
 
@@ -412,8 +455,9 @@ def train(args):
 
     while step < args.max_steps:
         t0 = time.time()
+        dropped = {}  # why -> groups dropped while gathering this step's (group_problem)
         groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
-                               model.get_input_embeddings().num_embeddings)
+                               model.get_input_embeddings().num_embeddings, dropped, **limits)
         groups_consumed += len(groups)
         t1 = time.time()
         seqs = flatten_groups(groups, args.max_completion_length)
@@ -426,6 +470,12 @@ def train(args):
                                           args.temperature, args.delta, version)  # loss, ratios, approx_kl, ...
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
+        for k, r in (absurd := stats.pop("absurd_ratio")).items():  # inert under delta (departure 8)
+            who = f"group {printable(groups[k]['group_id'])} from {printable(groups[k]['worker'])}"
+            then = (f"delta {args.delta:g} leaves such tokens no gradient" if args.delta
+                    else "--delta none: it steers this step")
+            print(f"step {step + 1}: {who}: importance ratio {r:.3g} > {ABSURD_RATIO:g}, its "
+                  f"log-probs are not its sampler's; {then}", file=sys.stderr)
         for g in optimizer.param_groups:  # the schedule: a function of the step, so a resume continues it
             g["lr"] = args.learning_rate * (1 - step / args.max_steps if args.lr_scheduler_type == "linear" else 1)
         if finite:
@@ -444,6 +494,7 @@ def train(args):
                "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                "policy_versions": sorted({g["policy_version"] for g in groups}), "tokens": tokens,
                "truncated": sum(s["truncated"] for s in seqs), "grad_norm": grad_norm, "skipped_non_finite": not finite,
+               "groups_dropped": dropped, "groups_absurd_ratio": len(absurd),
                **stats, "learning_rate": optimizer.param_groups[0]["lr"], "micro_batches": len(mbs),
                "wait_s": round(t1 - t0, 3), "compute_s": round(t2 - t1, 3),
                "tokens_per_s": round(tokens / max(t2 - t1, 1e-9), 1), "time": time.time()}
@@ -468,11 +519,123 @@ def main(argv=None):
     args = parse_args(argv)
     if too_small := [f for f in ("save_every", "micro_batch_tokens") if getattr(args, f) < 1]:
         sys.exit(f"trainer.py: error: --{too_small[0].replace('_', '-')} must be >= 1")
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.delta is not None and not args.delta >= 1 + high:
+        sys.exit(f"trainer.py: error: --delta {args.delta:g} must be >= 1 + epsilon_high = "
+                 f"{1 + high:g} (raise it, or --delta none to turn TRL's two-sided clip off)")
     sys.stdout.reconfigure(line_buffering=True)  # each log line reaches a piped log (or a watcher) at once
     try:
         train(args)
     except (ProxyError, sync.BucketError, TrainerError) as e:
         sys.exit(f"trainer.py: error: {e}")
+
+
+# ----------------------------------------------------------------------------- hardening
+# Below: not the algorithm. What a hostile replica (groups) or bucket writer (resume state) can
+# send, checked before it can crash, steer or poison the learner.
+
+def group_problem(g, vocab_size, num_generations=None, context=None, reward_range=None):
+    """(kind, why) when the trainer cannot use group g (the proxy's JSON), else None. The proxy
+    checks groups too; this holds on its own: one bad group must not crash or poison a step."""
+    def ids_ok(ids):
+        return type(ids) is list and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+
+    def number(x, lo=-math.inf, hi=math.inf):  # NaN fails
+        return type(x) in (int, float) and lo <= x <= hi and math.isfinite(x)
+
+    lo, hi = reward_range or (-math.inf, math.inf)
+    try:
+        comps, prompt = g["completions"], g["prompt_ids"]
+        if num_generations is not None and len(comps) != num_generations:
+            return "num_completions", f"{len(comps)} completions, not {num_generations}"
+        if not prompt:
+            return "empty_prompt", "no prompt tokens (prompt_ids: [])"
+        for j, c in enumerate(comps):
+            ids, lps = c["ids"], c["logprobs"]
+            if not ids:
+                return "empty_completion", f"completion {j} has no tokens (ids: [])"
+            if not (ids_ok(prompt) and ids_ok(ids)):
+                return "token_id", f"a token id >= the vocabulary size {vocab_size} (or < 0)"
+            if len(lps) != len(ids) or not all(map(number, lps)):
+                return "logprobs", f"completion {j}: {len(lps)} log-probs for {len(ids)} ids, or NaN"
+            if not number(c["reward"], lo, hi):
+                r = str(c["reward"])[:30]
+                return "reward", f"completion {j}: reward {r} not in [{lo:g}, {hi:g}]"
+        longest = len(prompt) + max(len(c["ids"]) for c in comps)
+        if context is not None and longest > context:
+            return "too_long", f"{longest} tokens of prompt + completion > the context {context}"
+        int(g["policy_version"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "malformed", "not a group in the proxy's JSON form"
+    return None
+
+
+def printable(v, n=64):
+    """A peer's string for a log line: at most n characters, no control character (no fake line)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in str(v)[:n])
+
+
+STATE_TAG = "state.hmac"  # next to state.pt: the state's HMAC under env TRAINER_STATE_KEY
+FREE_OPTIMIZER_KEYS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable",
+                       "differentiable"}  # AdamW settings a resume state may set as it likes
+
+
+def state_tag(key, folder):
+    """HMAC-SHA256 (hex) under key of every file in folder but the tag: names and sha256s, sorted."""
+    mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
+    for name in sorted(os.listdir(folder)):
+        if name != STATE_TAG and os.path.isfile(path := os.path.join(folder, name)):
+            with open(path, "rb") as f:
+                mac.update(f"{name}\0{hashlib.sha256(f.read()).hexdigest()}\n".encode())
+    return mac.hexdigest()
+
+
+def load_state(state_dir, key, where):
+    """The resume state load_trainer_state put in state_dir (None: there is none). With a key, it is
+    refused unless its HMAC tag matches; it never unpickles code (weights_only). TrainerError."""
+    if state_dir is None:
+        return None
+    fresh = f"remove {where}/trainer to start fresh"
+    if key:
+        tag_path = os.path.join(state_dir, STATE_TAG)
+        tag = open(tag_path, "rb").read().strip() if os.path.exists(tag_path) else None
+        if tag is None or not hmac.compare_digest(tag, state_tag(key, state_dir).encode()):
+            which = "no" if tag is None else "a wrong"
+            raise TrainerError(f"{where}/trainer: the resume state has {which} HMAC tag under "
+                               "TRAINER_STATE_KEY: this run's trainer did not write it (or used "
+                               f"another key); set the key that run used, or {fresh}")
+    try:  # weights_only: a state.pt planted in the bucket cannot run code here
+        return torch.load(os.path.join(state_dir, "state.pt"), weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False: not repeated
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        why = f"it calls {found.group(1)}" if found else "not a plain pickle"
+        raise TrainerError(f"{where}/trainer/state.pt holds more than tensors and plain values "
+                           f"(written by something else than trainer.py?): weights only load failed "
+                           f"({why}); {fresh}") from None
+
+
+def state_problem(state, optimizer):
+    """Why a resume state does not fit this trainer (counters, its own AdamW settings, finite
+    moments with |exp_avg| <= 10 sqrt(exp_avg_sq), as Adam's own updates keep them), or None."""
+    try:
+        if not all(type(state[k]) is int and state[k] >= 0
+                   for k in ("step", "version", "published_step", "groups_consumed")):
+            return "step, version, published_step or groups_consumed is not an int >= 0"
+        saved = state["optimizer"]["param_groups"]
+        if len(saved) != len(optimizer.param_groups):
+            return f"{len(saved)} optimizer parameter groups, not {len(optimizer.param_groups)}"
+        for theirs, ours in zip(saved, optimizer.param_groups):
+            for k in set(ours) - FREE_OPTIMIZER_KEYS:
+                if theirs.get(k, ours[k]) != ours[k]:
+                    return f"AdamW {k}={str(theirs[k])[:40]}, not this trainer's {ours[k]}"
+        for moments in state["optimizer"]["state"].values():
+            m, v = moments["exp_avg"].float(), moments["exp_avg_sq"].float()
+            if not (torch.isfinite(m).all() and torch.isfinite(v).all() and (v >= 0).all()
+                    and (m.abs() <= 10 * v.sqrt() + 1e-12).all()):
+                return "AdamW moments that are not finite, or exp_avg beyond 10 sqrt(exp_avg_sq)"
+    except (KeyError, TypeError, AttributeError, RuntimeError):
+        return "not the dict trainer.py saves"
+    return None
 
 
 if __name__ == "__main__":

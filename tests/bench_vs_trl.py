@@ -16,7 +16,8 @@
    NUM_GENERATIONS completions per step (per_device_train_batch_size = their product), MAX_NEW_TOKENS,
    TEMPERATURE, LEARNING_RATE and LR_SCHEDULER_TYPE (no warmup), LORA_R / LORA_ALPHA on all linear layers,
    LOSS_TYPE, BETA, SEED. Where TRL's defaults differ from trainer.py they are set to trainer.py's:
-   fp32 (bf16=False), no gradient checkpointing, dropout off, AdamW without weight decay.
+   fp32 (bf16=False), no gradient checkpointing, dropout off, AdamW without weight decay, and
+   TRL's two-sided clip `delta` at trainer.py's default (trainer.DELTA; TRL's default is off).
 3. Every --eval-every steps each side leaves an adapter: TRL's checkpoint-N folders (save_steps),
    ours copied out of the run's bucket while it runs (the trainer keeps only the newest
    max_staleness + 2 versions). Each is published into a scratch directory bucket
@@ -184,6 +185,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import rollout
+import trainer as ours
 
 torch.set_num_threads(cfg["threads"])
 items = rollout.load_task(cfg["task"], "train")
@@ -230,6 +232,7 @@ config = GRPOConfig(
     use_vllm=False, learning_rate=float(s["LEARNING_RATE"]), lr_scheduler_type=s["LR_SCHEDULER_TYPE"],
     warmup_steps=0,
     weight_decay=0.0, max_grad_norm=1.0, loss_type=s["LOSS_TYPE"], beta=float(s["BETA"]), epsilon=0.2,
+    delta=ours.DELTA,  # trainer.py's --delta default (TRL's is None): the same two-sided clip
     scale_rewards="group", num_iterations=1,
     bf16=False, gradient_checkpointing=False, disable_dropout=True,  # trainer.py: fp32 on CPU, no recompute
     model_init_kwargs={"dtype": torch.float32},
@@ -277,7 +280,6 @@ if not replay:
 
 # --check-update: trainer.py's update on TRL's batches, from TRL's initial LoRA
 import grpo_loss
-import trainer as ours
 
 model = ours.build_model(cfg["model"], int(s["LORA_R"]), int(s["LORA_ALPHA"]), "all-linear", int(s["SEED"]))
 set_peft_model_state_dict(model, initial)
@@ -299,7 +301,8 @@ for step, (b, trl_after) in enumerate(zip(batches, weights)):
         q["logprobs"] = now[r, :len(q["ids"])].tolist()
     optimizer.zero_grad(set_to_none=False)  # as trainer.train
     ours.compute_loss_and_backward(model, seqs, advantages, ours.make_microbatches(seqs, 8192), s["LOSS_TYPE"], 0.2,
-                                   None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T)
+                                   None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T,
+                                   delta=ours.DELTA)
     torch.nn.utils.clip_grad_norm_(ours.lora_parameters(model), 1.0)
     for g in optimizer.param_groups:
         g["lr"] = lr * (1 - step / cfg["steps"] if s["LR_SCHEDULER_TYPE"] == "linear" else 1)

@@ -15,13 +15,19 @@ At the end (and after every kill) it checks the invariants of issue 7 and prints
 
 Two hostile peers run all along, with the replicas' token (ROLLOUT_TOKEN; the trainer holds PROXY_TOKEN):
   - a poisoner (the harness itself) POSTs, at random moments, groups that are valid JSON but hostile:
-    ones the schema allows (log-prob -999 on a low-reward completion, rewards of +-1e29, the longest
-    prompt and completions the model takes) and ones the proxy must refuse (a positive, NaN or too small
-    log-prob, an infinite reward, another temperature, max_new_tokens or G, a policy_version from the future);
+    ones the schema allows (log-prob -999 on a low-reward completion; the crafted-ratio group: the
+    trainer's current log-probs - 19.9, ratio ~4.4e8, computed with trainer.py's own forward on the
+    adapter the bucket holds), ones a proxy may refuse or the trainer must drop (rewards of +-1e29,
+    the longest prompt the model takes, completions with no ids), and ones the proxy must refuse (a
+    positive, NaN or too small log-prob, an infinite reward, another temperature, max_new_tokens or
+    G, a policy_version from the future); now and then it floods 200 groups it was never leased and
+    POSTs an 8 MB body;
   - a lying replica follows /quota but posts groups of random log-probs tagged with the trainer's version,
     and tries the trainer's endpoints (POST /version 2147483647, GET /batch, POST /done): each must get 403.
 At the end every adapter in the bucket must hold finite weights, no step whose loss or gradient was not
-finite may have been applied, and no group from the future may have been trained on.
+finite may have been applied, no group from the future may have been trained on, and every step's
+gradient must be dominated by honest groups: its norm before clipping at most GRAD_BOUND = 1e3 (a
+crafted group that reached the gradient makes it ~1e7..1e8; honest steps here stay below ~10).
 
 The same harness (Role, LocalSystem, verify_bucket, TcpRelay) is what tests/test_faults.py uses.
 This file is not collected by pytest (its name does not start with test_).
@@ -29,6 +35,7 @@ This file is not collected by pytest (its name does not start with test_).
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -413,7 +420,11 @@ def kill_replica(role, rng):
 # ----------------------------------------------------------------------------- hostile peers
 
 LIAR_VERSION = 2**31 - 1  # the version the lying replica tries to set: the trainer's next would get 409
-ALLOWED = ("logprob -999", "reward 1e29", "longest")  # the schema allows them; the trainer must survive them
+ALLOWED = ("logprob -999", "crafted ratio")  # the schema allows them; the trainer must survive them
+EITHER = ("reward 1e29", "longest", "empty ids")  # a proxy with reward_range, max_prompt_length or
+# non-empty ids refuses them (400), an older one takes them: the trainer drops or survives them
+GRAD_BOUND = 1e3  # a step's gradient norm before clipping; a crafted group without delta: ~1e7..1e8
+FLOOD, BIG_BODY_MB = 200, 8  # groups the flooder posts unasked; the oversized POST's body
 REFUSED = ("logprob > 0", "logprob NaN", "logprob < -1000", "reward inf", "temperature", "max_new_tokens", "G",
            "future version")  # the proxy must refuse them: 400, or 409 for the future
 
@@ -426,8 +437,8 @@ def model_limits(model):
     return config.vocab_size, min(config.max_position_embeddings, 4096)
 
 
-def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner"):
-    """One group as a replica POSTs it, made hostile as `kind` (ALLOWED or REFUSED) says."""
+def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner", crafter=None):
+    """One group as a replica POSTs it, made hostile as `kind` (ALLOWED, EITHER or REFUSED) says."""
     (vocab, longest), G, T = limits, contract["num_generations"], contract["max_new_tokens"]
     completions = [{"ids": [rng.randrange(vocab) for _ in range(T)], "logprobs": [-4.6] * T, "reward": float(j % 2),
                     "text": "", "finish_reason": "length"} for j in range(G)]
@@ -444,6 +455,11 @@ def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner")
         g["prompt_ids"] = [rng.randrange(vocab) for _ in range(longest - T)]
     elif kind.startswith("logprob"):
         first["logprobs"][0] = {"logprob > 0": 0.5, "logprob NaN": math.nan, "logprob < -1000": -1e4}[kind]
+    elif kind == "crafted ratio":  # the trainer's current log-probs - 19.9: ratio ~4.4e8, just under the cap
+        crafter.craft(g, version)
+    elif kind == "empty ids":
+        for c in completions:
+            c["ids"], c["logprobs"] = [], []
     elif kind == "reward inf":
         first["reward"] = math.inf
     elif kind in ("temperature", "max_new_tokens"):
@@ -462,29 +478,95 @@ def post_raw(client, groups):
     return r.status_code, r.json()
 
 
-def poisoner(system, limits, rng, stop, report):
-    """Every few seconds, POST two hostile groups (one each) and count how the proxy answered."""
+class Crafter:
+    """The trainer's current log-probs of a group, computed as a replica that holds the current
+    adapter can (trainer.py's own forward on the adapter the bucket holds for that version)."""
+
+    def __init__(self, model, bucket, scratch):
+        import trainer
+
+        self.trainer, self.bucket, self.scratch = trainer, bucket, scratch
+        self.model = trainer.build_model(model, lora_r=8, lora_alpha=16)  # as TRAINER_ARGS
+        self.model.eval()
+
+    def craft(self, g, version, shift=-19.9):
+        import torch
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        dest = tempfile.mkdtemp(dir=self.scratch)
+        try:
+            path = sync.pull_adapter(self.bucket, version, dest, timeout=5.0)
+            weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+        set_peft_model_state_dict(self.model, weights)
+        seqs = self.trainer.flatten_groups([g], 10**6)
+        mb = self.trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
+        with torch.no_grad():
+            lp = self.trainer.completion_logprobs(self.model, mb, g["temperature"])  # (G, C)
+        for r, c in enumerate(g["completions"]):
+            c["logprobs"] = [x + shift for x in lp[r, :len(c["ids"])].tolist()]
+
+
+def flood_and_big_post(client, contract, version, limits, rng, report):
+    """A replica that posts FLOOD groups it was never leased (in POSTs of 8), and one POST of
+    BIG_BODY_MB of `[],`: counted by answer; neither may stop a role or the trainer's steps."""
     import requests
 
-    client = system.rollout_client(max_wait=30)
+    for _ in range(FLOOD // 8):
+        groups = [lying_group(contract, version, limits, rng) for _ in range(8)]
+        for g in groups:
+            g["worker"] = "chaos-flooder"
+        try:
+            code, _ = post_raw(client, groups)
+        except (requests.RequestException, ValueError):
+            code = None
+        report.poison["unasked flood", code] += 8
+    body = b'{"groups": [' + b"[]," * (BIG_BODY_MB * 2**20 // 3) + b"[]]}"
+    try:
+        r = client.session.post(client.url + "/rollouts", data=body, timeout=60,
+                                headers={"Content-Type": "application/json"})
+        code = r.status_code
+    except requests.RequestException as e:
+        code = type(e).__name__  # the proxy may hang up on a body it will not read
+    report.poison["oversized POST", code] += 1
+    if code == 200:
+        report.failures.append(f"an oversized POST of {BIG_BODY_MB} MB was answered 200")
+
+
+def poisoner(system, limits, rng, stop, report):
+    """Every few seconds, POST two hostile groups (one each) and count how the proxy answered;
+    once in a while, flood unasked and send an oversized body."""
+    import requests
+
+    client, crafter = system.rollout_client(max_wait=30), Crafter(system.model, system.bucket, system.workdir)
+    first = ["crafted ratio", "empty ids"]  # the first rounds send these; then random kinds
     while not stop.wait(rng.uniform(3, 12)):
+        if rng.random() < 0.1:
+            with contextlib.suppress(ProxyError):
+                s = client.stats()
+                flood_and_big_post(client, s["contract"], s["trainer_version"] or 0, limits, rng, report)
         try:
             s = client.stats()
         except ProxyError:
             continue  # the proxy is down for longer than 30 s: try again later
         t = s["trainer_version"]
-        for kind in rng.sample(ALLOWED + REFUSED, 2):
-            if kind == "future version" and t is None:
+        for kind in [first.pop(0)] if first and t is not None else rng.sample(ALLOWED + EITHER + REFUSED, 2):
+            if kind in ("future version", "crafted ratio") and t is None:
                 continue  # a restarted proxy knows no trainer version yet: nothing is "the future"
             try:
-                code, answer = post_raw(client, [hostile_group(kind, s["contract"], t or 0, limits, rng)])
-            except (requests.RequestException, ValueError):
+                code, answer = post_raw(client, [hostile_group(kind, s["contract"], t or 0, limits, rng,
+                                                               crafter=crafter)])
+            except (requests.RequestException, ValueError, sync.BucketError):  # BucketError: v pruned
                 code, answer = None, {}
             if code is None or code == 429 or code >= 500:  # down, restarting, or full
                 report.poison[kind, "not delivered"] += 1
                 continue
             report.poison[kind, "accepted" if code == 200 else "refused"] += 1
             want = 200 if kind in ALLOWED else 409 if kind == "future version" else 400
+            if kind in EITHER and code in (200, 400):
+                continue
             if code != want and not (kind == "future version" and code == 200 and answer.get("trainer_version") is None):
                 report.failures.append(f"poisoned group {kind!r}: HTTP {code} {str(answer)[:300]}, expected {want}")
 
@@ -583,6 +665,10 @@ def learning_checks(system, scratch, report, final):
     applied = [r["step"] for r in records if not r.get("skipped_non_finite")
                and not (finite_number(r.get("loss")) and finite_number(r.get("grad_norm")))]
     report.check("no non-finite step applied", not applied, f"steps applied with a non-finite loss or gradient: {applied}")
+    steered = [r["step"] for r in records if not r.get("grad_norm", 0) <= GRAD_BOUND]
+    report.check("every step's gradient dominated by honest groups", not steered,
+                 f"steps with a gradient norm over {GRAD_BOUND:g} before clipping (a group's absurd ratio "
+                 f"reached the gradient): {steered}")
     future = [r["step"] for r in records if max(r.get("policy_versions") or [0]) > r["version"]]
     report.check("no group from the future trained on", not future, f"steps with groups from the future: {future}")
     versions = [int(v) for v, _ in PUBLISHED.findall(system.trainer.text())]
@@ -703,6 +789,8 @@ def chaos(args):
     print(f"the trainer announced its version again to a restarted proxy {resent} times")
     p = report.poison
     by = lambda kinds, outcome: ", ".join(f"{k} {p[k, outcome]}" for k in kinds if p[k, outcome])  # noqa: E731
+    print(f"poisoned groups the proxy may take or refuse: accepted {by(EITHER, 'accepted') or 0}; refused "
+          f"{by(EITHER, 'refused') or 0}")
     print(f"poisoned groups (replicas' token): accepted {sum(p[k, 'accepted'] for k in ALLOWED)} ({by(ALLOWED, 'accepted')}); "
           f"refused {sum(p[k, 'refused'] for k in REFUSED)} ({by(REFUSED, 'refused')}); not delivered (proxy down or "
           f"full) {sum(n for (_, o), n in p.items() if o == 'not delivered')}")
@@ -716,6 +804,14 @@ def chaos(args):
           f"of them not finite); largest ratio of a step "
           f"{max((r['ratio_max'] for r in records if r.get('ratio_max') is not None), default=0):.4g}; adapters with "
           f"finite weights {len(final.get('finite', []))} of {len(final['complete'])} (LATEST v{final['latest']})")
+    dropped = collections.Counter()
+    for r in records:
+        dropped.update(r.get("groups_dropped") or {})
+    print(f"the trainer dropped {sum(dropped.values())} groups it could not use ({dict(dropped)}); it named "
+          f"{sum(r.get('groups_absurd_ratio', 0) for r in records)} groups with an absurd ratio; largest "
+          f"gradient norm before clipping {max((r['grad_norm'] for r in records), default=0):.3g} "
+          f"(bound {GRAD_BOUND:g}); flood and oversized POST answered: "
+          f"{ {f'{k} {c}': n for (k, c), n in p.items() if k in ('unasked flood', 'oversized POST')} }")
     print("invariant checks passed: " + ", ".join(f"{k} x{v}" for k, v in report.checks.items()) +
           f" ({sum(report.checks.values())} in all)")
     print("FAILURES:\n  " + "\n  ".join(report.failures) if report.failures else "no failures")

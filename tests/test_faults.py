@@ -189,7 +189,7 @@ def test_client_re_announces_its_version_to_a_restarted_proxy(capsys):
                  "temperature": 1.0, "max_new_tokens": 256, "completions": [comp, dict(comp, reward=0.0)]}
         proxy.ProxyClient(f"http://127.0.0.1:{port}").post_rollouts([group])  # kept until the version is known
         got = client.get_batch(1, timeout=1)  # 409: the client announces v5 again; the v1 group is now stale
-        assert got == {"groups": [], "trainer_version": 5}
+        assert (got["groups"], got["trainer_version"]) == ([], 5)
         s = server.buffer.stats()
         assert s["trainer_version"] == 5 and s["dropped_stale"] == 1
         assert "announcing v5 again" in capsys.readouterr().err
@@ -406,7 +406,7 @@ def bad_input(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     bucket = str(root / "bucket")
     model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
-    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3)
+    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3, weight_decay=0.0)  # as trainer
     trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {"step": 0, "version": 0, "published_step": 0,
                     "groups_consumed": 0, "args": {"model": tiny_model, "lora_r": 8}}, optimizer)
     server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
@@ -494,6 +494,64 @@ def test_trainer_refuses_a_state_whose_pickle_runs_code(tiny_model, bad_input, t
     assert not (tmp_path / "pwned").exists(), "the planted state.pt ran code in the trainer"
     line = one_error_line(r, "trainer.py")
     assert "holds more than tensors and plain values" in line and "weights only load failed" in line.lower(), line
+    assert "can still be loaded" not in r.stderr and "Re-running" not in r.stderr, "torch's advice"
+
+
+def planted_state(bad_input, tmp_path, **optimizer_settings):
+    """A bucket whose trainer state is bad_input's, weights-only, with AdamW settings changed."""
+    import torch
+
+    src, bucket = tmp_path / "state", str(tmp_path / "bucket")
+    sync.load_trainer_state(bad_input["bucket"], str(src))
+    state = torch.load(src / "state.pt", weights_only=True)
+    state["optimizer"]["param_groups"][0].update(optimizer_settings)
+    torch.save(state, src / "state.pt")
+    sync.save_trainer_state(bucket, str(src))
+    return bucket
+
+
+@pytest.mark.parametrize("key", [None, "the-run's-state-key"])
+def test_trainer_refuses_a_planted_optimizer_state(tiny_model, bad_input, tmp_path, key):
+    """A bucket writer's weights-only state.pt that would make AdamW ascend (maximize) and decay the
+    weights 50x per step: refused in one line, by its settings without a key, by its HMAC with
+    one."""
+    bucket = planted_state(bad_input, tmp_path, maximize=True, weight_decay=50.0)
+    env = {**ENV, **({"TRAINER_STATE_KEY": key} if key else {})}
+    r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+                        bad_input["url"], "--max-steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    line = one_error_line(r, "trainer.py")
+    if key:
+        assert "has no HMAC tag under TRAINER_STATE_KEY" in line, line
+    else:
+        assert "does not fit this trainer" in line and ("maximize=True" in line or "weight_decay=50" in line), line
+    assert sync.latest_version(bucket) is None, "nothing may be published from a refused state"
+
+
+def test_a_state_tagged_with_the_key_resumes_and_another_key_is_refused(tiny_model, tmp_path):
+    import torch
+
+    import trainer
+
+    bucket = str(tmp_path / "bucket")
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=3e-4, weight_decay=0.0)
+    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {
+        "step": 0, "version": 0, "published_step": 0, "groups_consumed": 0, "args": {}}, optimizer, key="k1")
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    try:
+        cmd = [sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+               f"http://127.0.0.1:{server.server_address[1]}", "--max-steps", "0", "--lora-r", "8",
+               "--lora-alpha", "16"]
+        r = subprocess.run(cmd, cwd=ROOT, env={**ENV, "TRAINER_STATE_KEY": "k2"}, capture_output=True,
+                           text=True, timeout=180)
+        assert "has a wrong HMAC tag" in one_error_line(r, "trainer.py")
+        r = subprocess.run(cmd, cwd=ROOT, env={**ENV, "TRAINER_STATE_KEY": "k1"}, capture_output=True,
+                           text=True, timeout=180)
+        assert r.returncode == 0 and r.stdout.startswith("resumed from step 0, version 0"), r.stderr[-2000:]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("ending", ["eval", "SIGTERM"])
@@ -521,3 +579,34 @@ def test_no_rollout_temp_folder_is_left_behind(tiny_model, bad_input, tmp_path, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     assert ours() == []
+
+
+def test_a_corrupt_adapter_is_reported_as_corrupt_by_the_replica(tiny_model, bad_input, tmp_path):
+    """The trainer announces v1, whose weights in the bucket have the manifest's size but other bytes:
+    the replica says v1 is corrupt (once) and keeps serving v0; it does not call it a lagging mount."""
+    bucket = str(tmp_path / "bucket")
+    v0 = sync.pull_adapter(bad_input["bucket"], 0, str(tmp_path / "pulled"))
+    sync.publish_adapter(bucket, v0, 0)
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        log = tmp_path / "replica.log"
+        with open(log, "w") as out:
+            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT, env=ENV, stdout=out,
+                                       stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
+            time.sleep(0.2)
+        sync.publish_adapter(bucket, v0, 1)
+        weights = os.path.join(bucket, "adapters", "v000001", "adapter_model.safetensors")
+        size = os.path.getsize(weights)
+        with open(weights, "wb") as f:
+            f.write(b"\0" * size)
+        proxy.ProxyClient(url).set_version(1)
+        assert replica.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        server.shutdown()
+        server.server_close()
+    text = log.read_text()
+    assert re.search(r"adapter v1 is corrupt, still serving v0: .*adapter v000001 is corrupt", text), text[-3000:]
+    assert "a mount lagging" not in text and text.count("is corrupt, still serving") == 1, text[-3000:]

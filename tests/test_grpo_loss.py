@@ -269,3 +269,10 @@ def test_all_finite():
     assert all_finite([torch.ones(3), None, torch.zeros(2, 2)]) and all_finite([])
     assert not all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
     assert not all_finite([torch.tensor([float("-inf")])])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a CPU-only torch has one device")
+def test_all_finite_mixes_devices():
+    """The trainer checks a CPU loss with CUDA gradients: each device's flags are reduced on it."""
+    assert all_finite([torch.tensor(1.0), torch.ones(3, device="cuda"), torch.zeros(2)])
+    assert not all_finite([torch.tensor(1.0), torch.tensor([float("nan")], device="cuda")])

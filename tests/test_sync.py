@@ -34,7 +34,7 @@ def make_adapter(folder, size=4096):
     return files
 
 
-def read_folder(folder, skip=("manifest.json",)):
+def read_folder(folder, skip=("manifest.json", sync.PULLED)):  # PULLED: the mark of a pulled folder
     out = {}
     for d, _, names in os.walk(folder):
         for n in names:
@@ -101,8 +101,9 @@ def test_refuses_republishing(bucket_url, tmp_path):
         sync.publish_adapter(bucket_url, str(tmp_path / "b"), 1)
     with pytest.raises(sync.BucketError, match=r"v000000 is not newer \(LATEST is 1\)"):
         sync.publish_adapter(bucket_url, str(tmp_path / "b"), 0)  # gone, but its number was used
-    with pytest.raises(sync.BucketError, match="int >= 0"):
-        sync.publish_adapter(bucket_url, str(tmp_path / "b"), -1)
+    for bad in (-1, 2**31):
+        with pytest.raises(sync.BucketError, match=r"an int in \[0, 2\^31\)"):
+            sync.publish_adapter(bucket_url, str(tmp_path / "b"), bad)
     assert sync.latest_version(bucket_url) == 1
     assert read_folder(sync.pull_adapter(bucket_url, 1, str(tmp_path / "p"))) == first
 
@@ -249,7 +250,7 @@ def test_eventual_consistency_reader_waits(tmp_path):
     lander.join()
     reader.join(timeout=30)
     assert out["at"] >= out["landed"]
-    assert read_folder(out["dest"], skip=()) == {k.split("/")[-1]: d for k, d in keys.items()}
+    assert read_folder(out["dest"], skip=(sync.PULLED,)) == {k.split("/")[-1]: d for k, d in keys.items()}
 
 
 def test_eventual_consistency_timeout_names_the_file(tmp_path):
@@ -420,7 +421,8 @@ def test_metrics_survive_a_read_that_misses_the_history(bucket_url):
 
 
 @pytest.mark.parametrize("value", [b'{"version": Infinity}', b'{"version": NaN}', b'{"version": -1}',
-                                   b'{"version": "3"}', b'{"version": true}', b'{"version": 2.5}', b"[3]"])
+                                   b'{"version": "3"}', b'{"version": true}', b'{"version": 2.5}', b"[3]",
+                                   b'{"version": 100000000000000000000}', b'{"version": 2147483648}'])
 def test_a_corrupt_latest_is_a_clear_error(tmp_path, value):
     b = sync.open_bucket(str(tmp_path / "bucket"))
     b.write("adapters/LATEST", value)
@@ -566,3 +568,65 @@ def test_a_bad_adapter_is_reported_on_stderr_and_not_waited_for_twice(tmp_path, 
     with pytest.raises(sync.BucketError, match="not matching"):
         cache.pull(root, 0, timeout=60)  # one look, no second wait
     assert "waiting for" not in capfd.readouterr().err
+
+
+# ---- what a bucket writer or a killed write can leave (hostile peers, the learner's side) ----
+
+def test_temp_files_of_killed_writes_are_pruned_at_publish(tmp_path):
+    """A kill between a DirBucket write's temp file and its os.replace leaves .NAME.XXXXXXXX.tmp:
+    the next publish deletes those of LATEST and metrics once they are TEMP_MAX_AGE_S old."""
+    root = tmp_path / "bucket"
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(str(root), str(tmp_path / "a"), 0)
+    sync.append_metrics(str(root), {"step": 1})
+    old = ["adapters/.LATEST.0a1b2c3d.tmp", "metrics/.step-000002.json.deadbeef.tmp"]
+    fresh, other = "adapters/.LATEST.11111111.tmp", "metrics/.notes.tmp"  # in flight / not ours
+    for key in old + [fresh, other]:
+        _put(str(root), key, b"{")
+    for key in old + [other]:
+        os.utime(root / key, (time.time() - sync.TEMP_MAX_AGE_S - 5,) * 2)
+    sync.publish_adapter(str(root), str(tmp_path / "a"), 1)
+    left = set(sync.open_bucket(str(root)).list())
+    assert not left & set(old), left
+    assert {fresh, other} <= left and sync.latest_version(str(root)) == 1
+
+
+def test_a_folder_of_the_user_named_like_a_version_is_not_deleted(tmp_path):
+    """rollout.py --cache-dir ~/work: a v000001/ there that sync.py did not pull stays as it is."""
+    bucket, cache_dir = str(tmp_path / "bucket"), tmp_path / "cache"
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(bucket, str(tmp_path / "a"), 1)
+    (cache_dir / "v000001").mkdir(parents=True)
+    (cache_dir / "v000001" / "thesis.tex").write_bytes(b"mine")
+    cache = sync.AdapterCache(str(cache_dir))
+    with pytest.raises(sync.BucketError, match=r"v000001 exists and was not made by sync.py.*move it away"):
+        cache.pull(bucket, 1, timeout=0.5)
+    assert (cache_dir / "v000001" / "thesis.tex").read_bytes() == b"mine"
+    path = sync.pull_adapter(bucket, 1, str(tmp_path / "ok"))  # a copy sync.py made, then changed: replaced
+    with open(os.path.join(path, "adapter_model.safetensors"), "ab") as f:
+        f.write(b"x")
+    assert sync.pull_adapter(bucket, 1, str(tmp_path / "ok")) == path and sync._verified_local(path)
+
+
+def test_a_version_folder_past_the_limit_is_refused(tmp_path):
+    root = str(tmp_path / "bucket")
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(root, str(tmp_path / "a"), 0)
+    _put(root, "adapters/v100000000000000000000/manifest.json", b"{}")
+    with pytest.raises(sync.BucketError, match=r"past the versions' limit 2\^31 - 1.*delete that folder"):
+        sync.versions(root)
+
+
+def test_a_corrupt_adapter_is_reported_as_corrupt_not_as_late(tmp_path):
+    """As many bytes as the manifest lists (or more) but other ones: no lagging mount shows that."""
+    root = str(tmp_path / "bucket")
+    make_adapter(tmp_path / "a")
+    sync.publish_adapter(root, str(tmp_path / "a"), 0)
+    sync.publish_adapter(root, str(tmp_path / "a"), 1)
+    _put(root, "adapters/v000000/adapter_model.safetensors", b"\0" * 4096)  # same size, other bytes
+    _put(root, "adapters/v000001/adapter_model.safetensors", b"\0" * 10)  # fewer: a lag, or torn
+    with pytest.raises(sync.CorruptAdapter, match="adapter v000000 is corrupt: .* not matching the manifest"):
+        sync.pull_adapter(root, 0, str(tmp_path / "p"), timeout=0)
+    with pytest.raises(sync.BucketError, match="not complete after") as e:
+        sync.pull_adapter(root, 1, str(tmp_path / "p"), timeout=0)
+    assert not isinstance(e.value, sync.CorruptAdapter)

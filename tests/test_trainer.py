@@ -15,8 +15,10 @@
    naming the bucket. Also: a wrong token / a missing S3 bucket is one clear line.
 """
 
+import http.server
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -24,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -327,3 +330,146 @@ def test_a_group_with_token_ids_outside_the_vocabulary_is_dropped(capfd):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ----------------------------------------------------------------------------- hostile groups
+
+def crafted(model, group, shift=-19.9):
+    """The group with every sampler log-prob set to the current policy's + shift: what a replica that
+    holds the current adapter can send (ratio e^19.9 ~ 4.4e8, just under grpo_loss.LOG_RATIO_MAX)."""
+    seqs = trainer.flatten_groups([group], 64)
+    mb = trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
+    with torch.no_grad():
+        lp = trainer.completion_logprobs(model, mb)  # (G, C)
+    for r, c in enumerate(group["completions"]):
+        c["logprobs"] = [x + shift for x in lp[r, :len(c["ids"])].tolist()]
+    return group
+
+
+def test_one_crafted_group_cannot_steer_the_step_by_default(lora_model):
+    """1 crafted group among 15 honest ones: with the trainer's default --delta the step's gradient
+    points where the honest groups' does (cosine >= 0.9), and the crafted group is named."""
+    model, args = lora_model, trainer.parse_args(["--model", "m", "--bucket", "b", "--proxy", "p"])
+    groups = fake_groups(model, 16, seed=11)
+    groups[15] = crafted(model, groups[15])  # rewards (ci + 15) % 3 == 0: two negative advantages
+
+    def gradient(gs):
+        seqs = trainer.flatten_groups(gs, 64)
+        adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
+        model.zero_grad(set_to_none=True)
+        stats = trainer.compute_loss_and_backward(model, seqs, adv, trainer.make_microbatches(seqs, 10**9),
+                                                  delta=args.delta, epsilon_high=args.epsilon_high)
+        return torch.cat([p.grad.flatten() for p in trainer.lora_parameters(model)]), stats
+
+    honest, _ = gradient(groups[:15])
+    step, stats = gradient(groups)
+    cosine = torch.nn.functional.cosine_similarity(step, honest, dim=0).item()
+    print(f"delta {args.delta}: cosine with the honest groups {cosine:.4f}, |step| {step.norm():.3g} "
+          f"|honest| {honest.norm():.3g}")
+    assert cosine >= 0.9 and step.norm() < 2 * honest.norm()
+    assert list(stats["absurd_ratio"]) == [15] and stats["absurd_ratio"][15] > trainer.ABSURD_RATIO
+
+
+def good_group(gid, worker="honest", n=4, prompt=(5, 6, 7)):
+    return {"group_id": gid, "policy_version": 0, "worker": worker, "prompt": "", "prompt_ids": list(prompt),
+            "temperature": 1.0, "max_new_tokens": 4,
+            "completions": [{"ids": [8 + j, 3], "logprobs": [-1.0, -0.5], "reward": float(j % 2), "text": "",
+                             "finish_reason": "stop"} for j in range(n)]}
+
+
+def unusable_groups():
+    """One group per reason the trainer drops (kind, group): each would crash or poison the step."""
+    def bad(gid, edit):
+        g = good_group(gid, worker="evil")
+        edit(g)
+        return g
+
+    def comp(j, **kw):
+        return lambda g: g["completions"][j].update(kw)
+    return [("empty_prompt", bad("no-prompt", lambda g: g.update(prompt_ids=[]))),
+            ("empty_completion", bad("no-ids", lambda g: [c.update(ids=[], logprobs=[]) for c in g["completions"]])),
+            ("too_long", bad("long", lambda g: g.update(prompt_ids=[5] * 2100))),
+            ("token_id", bad("vocab", comp(1, ids=[10**6, 3]))),
+            ("token_id", bad("negative", comp(1, ids=[-1, 3]))),
+            ("logprobs", bad("lengths", comp(2, logprobs=[-1.0]))),
+            ("reward", bad("huge-reward", comp(0, reward=1e20))),
+            ("reward", bad("nan-reward", comp(0, reward=float("nan")))),
+            ("num_completions", bad("three", lambda g: g["completions"].pop())),
+            ("malformed", bad("no-version", lambda g: g.pop("policy_version")))]
+
+
+def test_group_problem_names_each_unusable_group():
+    limits = {"num_generations": 4, "context": 2048, "reward_range": [0, 1]}
+    assert trainer.group_problem(good_group("ok"), 100, **limits) is None
+    for kind, g in unusable_groups():
+        assert trainer.group_problem(g, 100, **limits)[0] == kind, g["group_id"]
+    huge = good_group("huge")  # no reward_range served: no bound but finiteness
+    huge["completions"][0]["reward"] = 1e20
+    assert trainer.group_problem(huge, 100, 4, 2048) is None
+
+
+class PassThroughProxy(http.server.BaseHTTPRequestHandler):
+    """A proxy that hands the trainer whatever it was given, unchecked (an older or compromised
+    proxy.py): what the trainer must survive on its own. Serves GET /config, /batch, /stats and
+    POST /version, /done, as proxy.py does for the trainer."""
+    contract, queue = {}, []
+
+    def do_GET(self):
+        path, _, query = self.path.partition("?")
+        n = int(dict(q.split("=") for q in query.split("&")).get("groups", 0)) if query else 0
+        if path == "/batch":
+            batch, self.queue[:n] = self.queue[:n], []
+            answer = {"groups": batch} if batch else (time.sleep(0.2), {"groups": []})[1]
+        else:
+            answer = self.contract if path == "/config" else {
+                "buffered": len(self.queue), "leased": {}, "dropped_stale": 0, "dropped_zero_variance": 0}
+        self.reply(answer)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.reply({"ok": True})
+
+    def reply(self, answer):
+        body = json.dumps(answer).encode()  # NaN goes out as NaN: json.loads on the other side takes it
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_the_trainer_drops_and_reports_groups_it_cannot_use(tiny_model, tmp_path):
+    """A real trainer.py behind a proxy that checks nothing: every unusable group is dropped with a line
+    naming its worker and why, counted in the step's groups_dropped; the step still has its 2 groups;
+    the crafted one among them (ratio ~4e8) is named and, under the default delta, inert."""
+    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)  # the trainer's v0 (B = 0)
+    model.eval()
+    bad = unusable_groups()
+    handler = type("Handler", (PassThroughProxy,), {
+        "contract": {"num_generations": 4, "groups_per_step": 2, "max_staleness": 2, "temperature": 1.0,
+                     "max_new_tokens": 4, "reward_range": [0, 1]},
+        "queue": [g for _, g in bad] + [good_group("ok"), crafted(model, good_group("crafted", worker="evil"))]})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    bucket = str(tmp_path / "bucket")
+    try:
+        r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
+                            f"http://127.0.0.1:{server.server_address[1]}", *TRAIN_ARGS, "--max-steps", "1",
+                            "--wait-timeout", "30"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                           timeout=180)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for kind, g in bad:
+        assert f"dropped group {g['group_id']} from evil: " in r.stderr, (g["group_id"], r.stderr[-3000:])
+    assert re.search(r"group crafted from evil: importance ratio \S+ > 1000", r.stderr), r.stderr[-2000:]
+    (rec,) = sync.read_metrics(bucket)
+    want = {}
+    for kind, _ in bad:
+        want[kind] = want.get(kind, 0) + 1
+    assert rec["groups"] == 2 and rec["groups_dropped"] == want and rec["groups_absurd_ratio"] == 1
+    assert not rec["skipped_non_finite"] and math.isfinite(rec["grad_norm"])
