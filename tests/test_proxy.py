@@ -6,6 +6,7 @@ retries across a restart, and the CLI as a subprocess (including how it ends the
     .venv/bin/python -m pytest tests/test_proxy.py -q
 """
 
+import gc
 import json
 import os
 import random
@@ -839,6 +840,7 @@ def test_a_big_body_is_refused_from_its_header_and_freezes_nothing(proxy):
                       % (TOKEN.encode(), 48 * 2**20))
     assert big[0] == 413 and b"--max-body-mb 2.5 (2621440 bytes)" in big[2] and b"raise proxy.py --max-body-mb" in big[2]
     assert sorted(slow) in ([b"400", b"413"], [b"400", b"closed"]), slow  # the trickled one: parsed, refused
+    assert gc.isenabled()  # paused during a parse only
 
 
 def cpu_seconds(pid):
