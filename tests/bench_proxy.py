@@ -53,7 +53,7 @@ def fastapi_app(max_groups=4096):
 
     @app.get("/batch")
     def batch(groups: int, timeout: float = 0.0):  # a plain def: FastAPI runs it in its thread pool, so it may block
-        out, version = buffer.take(groups, min(timeout, proxy.MAX_POLL_S))
+        out, version, _ = buffer.take(groups, min(timeout, proxy.MAX_POLL_S))  # no ack: delivered once written
         return JSONResponse({"groups": out, "trainer_version": version})  # json.dumps, like proxy.py
 
     @app.get("/stats")
