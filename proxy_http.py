@@ -14,6 +14,7 @@ Connections, by class (Server.admit):
 """
 
 import errno
+import gc
 import io
 import json
 import logging
@@ -50,12 +51,27 @@ def check(ok, where, what):
         raise ApiError(f"{where}: {what}")
 
 
+_parsing, _gc_lock = [0, True], threading.Lock()  # parses under way, was the GC enabled before them
+
+
 def parse_json(body):
-    """NaN and Infinity parse (as Python's json does) so that validation can name their field."""
+    """NaN and Infinity parse (as Python's json does) so that validation can name their field. The
+    cyclic GC is paused meanwhile: a body of a million empty lists parses 4-5x faster without it
+    (JSON makes no cycles), and a parse holds the GIL, so every other request waits for it."""
+    with _gc_lock:
+        if _parsing[0] == 0:
+            _parsing[1] = gc.isenabled()
+            gc.disable()
+        _parsing[0] += 1
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:  # bad JSON/UTF-8, ints of 4300+ digits, deep nesting
         raise ApiError(f"body: not valid JSON ({str(e)[:120]})") from None
+    finally:
+        with _gc_lock:
+            _parsing[0] -= 1
+            if _parsing[0] == 0 and _parsing[1]:
+                gc.enable()
 
 
 def parse_query(query, spec):

@@ -53,7 +53,7 @@ def fastapi_app(max_groups=4096):
 
     @app.get("/batch")
     def batch(groups: int, timeout: float = 0.0):  # a plain def: FastAPI runs it in its thread pool, so it may block
-        out, version = buffer.take(groups, min(timeout, proxy.MAX_POLL_S))
+        out, version, _ = buffer.take(groups, min(timeout, proxy.MAX_POLL_S))  # no ack: delivered once written
         return JSONResponse({"groups": out, "trainer_version": version})  # json.dumps, like proxy.py
 
     @app.get("/stats")
@@ -146,8 +146,11 @@ def post_size():
     worst = b'{"groups": [' + b"[]," * ((limit - 16) // 3) + b"[]]}"
     for name, data in [("the real POST", body), ("a body of [] lists at the limit", worst)]:
         t0 = time.perf_counter()
-        proxy.parse_json(data)
-        print(f"# parse of {name} ({len(data) / 2**20:.2f} MiB): {time.perf_counter() - t0:.3f} s")
+        try:  # what the proxy does with it: parse, validate (the real one passes), free
+            proxy.validate_rollouts(proxy.parse_json(data), 4096, c)
+        except proxy.ApiError as e:
+            name += f" ({str(e)[:40]}...)"
+        print(f"# parse, validate, free {name}, {len(data) / 2**20:.2f} MiB: {time.perf_counter() - t0:.3f} s")
 
 
 def main():

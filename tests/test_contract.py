@@ -19,7 +19,7 @@ from conftest import ROOT, free_port, wait_port
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PROXY_TOKEN": "t"}
 SETTINGS = {"num_generations": 4, "groups_per_step": 2, "max_staleness": 1, "temperature": 0.7,
             "max_new_tokens": 5, "zero_variance": "keep"}
-SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}  # /config: the defaults of the rest
+SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}  # /config: defaults for the rest
 
 
 def flags(settings):

@@ -102,8 +102,10 @@ def hostile_request(rnd, valid_body):
         return http("POST", "/rollouts", json.dumps(body).encode() if rnd.random() < 0.5 else rnd.randbytes(300)), False
     if kind == 5:  # no token, a wrong one, another scheme: with a perfectly valid request
         bound = replica_token(REPLICA_TOKEN, "w")
+        forged = [bound[:-1] + ("1" if bound[-1] == "0" else "0"), "v" + bound[1:], replica_token(TOKEN, "w"),
+                  bound + ":"]
         token = rnd.choice([None, "", "fuzz-toke", TOKEN + "n", TOKEN.upper(), "x" * 5000, REPLICA_TOKEN + " ",
-                            bound[:-1] + ("1" if bound[-1] == "0" else "0"), "v" + bound[1:], replica_token(TOKEN, "w"), bound + ":"])
+                            *forged])
         method, path, body = rnd.choice([("POST", "/rollouts", valid_body), ("GET", "/stats", None),
                                          ("GET", "/batch?groups=1&timeout=0", None), ("GET", "/config", None),
                                          ("GET", "/quota?worker=w&version=1", None), ("POST", "/done", b"{}"),
@@ -114,8 +116,8 @@ def hostile_request(rnd, valid_body):
                                              ("POST", "/version", b'{"version": 2147483647}')])
             token = REPLICA_TOKEN
         if rnd.random() < 0.2:  # a credential bound to worker "w", speaking for "w0": 403
-            method, path, body = rnd.choice([("POST", "/rollouts", valid_body), ("GET", "/quota?worker=w0&version=1",
-                                                                                    None)])
+            method, path, body = rnd.choice([("POST", "/rollouts", valid_body),
+                                             ("GET", "/quota?worker=w0&version=1", None)])
             token = replica_token(REPLICA_TOKEN, "w")
         return http(method, path, body, token=token, headers=extra), False
     if kind == 6:  # wrong methods, on every path
