@@ -95,7 +95,7 @@ def last_boxed(text):
 def math_reward(completion, reference):
     r"""1.0 when the last \boxed{} of the completion is the reference as mathematics (\frac12 = 0.5
     = \dfrac{1}{2}, 5\text{ cm} = 5, intervals, sets, expressions), by Hugging Face's math-verify
-    as TRL's accuracy_reward calls it; 0.0 for anything else, never an exception."""
+    (the checker of TRL's accuracy_reward); 0.0 for anything else, never an exception."""
     answer = last_boxed(completion)
     return MATH_SCORER(answer, reference) if answer and answer.strip() else 0.0
 

@@ -182,7 +182,7 @@ def test_math_reward_equivalent_answers(completion, reference, expected):
     "", "The answer is 2.", "$2$",  # no box: the prompt asks for one
     r"\boxed{}", r"\boxed{   }", r"\boxed{2", r"\boxed{\frac{1}{", r"so \boxed{2} and \boxed{",
     r"\boxed{\frac{1}{}}", r"\boxed{)(}", r"\boxed{\sqrt}", r"\boxed{\left(}", r"\boxed{1/0}",
-    "\\boxed{\x00\udcff\uffff}", "\\boxed{" + "{" * 500 + "2" + "}" * 500 + "}" + "}" * 3,
+    "\\boxed{\x00\udcff\uffff}", "\\boxed{" + "{" * 500 + "}" * 500 + "}" + "}" * 3,
     r"\boxed{2^{2^{2^{2^{2^{2}}}}}}", "\\boxed{2}" * 5000 + "\\boxed{",
 ])
 def test_math_reward_malformed_output_is_zero(completion):
