@@ -27,12 +27,18 @@ Decisions:
 """
 
 import argparse
+import contextlib
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import random
 import re
+import select
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import namedtuple
@@ -71,8 +77,111 @@ def gsm8k_reference(answer):
     return answer.split("####")[-1].strip()
 
 
+def last_boxed(text):
+    r"""What the last \boxed{...} of `text` holds (nested braces matched), or None: no box, or the
+    last one never closed (a completion cut at the length limit). The last box is the final answer
+    (oat's rule, and the HF recipe's); an answer without a box is no answer."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{"):i]
+    return None
+
+
+def math_reward(completion, reference):
+    r"""1.0 when the last \boxed{} of the completion is the reference as mathematics (\frac12 = 0.5
+    = \dfrac{1}{2}, 5\text{ cm} = 5, intervals, sets, expressions), by Hugging Face's math-verify
+    (the checker of TRL's accuracy_reward); 0.0 for anything else, never an exception."""
+    answer = last_boxed(completion)
+    return MATH_SCORER(answer, reference) if answer and answer.strip() else 0.0
+
+
+class MathScorer:
+    """math-verify in a child process. Its timeouts use signal.alarm, which works only in a main
+    thread (TRL turns them off in other threads) and cannot stop C code. Here they run in the
+    child's main thread (5 s per parse and per comparison), and a child that takes longer than
+    `timeout_s` or dies is killed and replaced (that answer: 0.0). Any thread may call it."""
+
+    def __init__(self, timeout_s=30.0):
+        self.timeout_s, self.proc, self.lock = timeout_s, None, threading.Lock()
+
+    def __call__(self, answer, reference):
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is not None:  # died since (memory?)
+                self.close()
+            if self.proc is None:
+                self.start()
+            try:
+                self.proc.stdin.write(json.dumps([answer, reference]) + "\n")  # ASCII: one line
+                self.proc.stdin.flush()
+                if line := self.read(self.timeout_s):  # "": the child died
+                    return float(line)
+            except (OSError, ValueError):  # a broken pipe (it died) or a garbled line
+                pass
+            self.close()
+            return 0.0
+
+    def close(self):
+        """Stop the child (a later call starts a new one)."""
+        self.proc.kill()
+        self.proc.wait()
+        with contextlib.suppress(OSError):  # bytes it never read
+            self.proc.stdin.close()
+        self.proc.stdout.close()
+        self.proc = None
+
+    def start(self):
+        """A plain `python -c` child (multiprocessing's spawn would re-run the caller's script)."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = (f"import sys; sys.path.insert(0, {here!r}); "
+                "import rollout; rollout.math_verify_loop()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        if self.read(120.0) != "ready":
+            self.close()
+            raise RolloutError("the math-verify process did not start (its error is above): "
+                               "--task math needs math-verify (pip install -r requirements.txt)")
+
+    def read(self, timeout):
+        """The child's next line, "" when it is gone, None when it says nothing for `timeout` s."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline().strip() if ready else None
+
+
+def math_verify_loop():
+    """The MathScorer child: a JSON [answer, reference] per line in, "1.0" or "0.0" out."""
+    import logging
+
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a timeout is a 0.0, not a warning
+
+    @functools.lru_cache(maxsize=4096)  # each reference is parsed once
+    def boxed(latex):
+        return parse(f"\\boxed{{{latex}}}", [LatexExtractionConfig()])
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        answer, reference = json.loads(line)
+        try:  # the reference first: verify is not symmetric
+            ok = float(verify(boxed(reference), boxed(answer)))
+        except Exception:  # math-verify catches its own errors; anything else: a wrong answer
+            ok = 0.0
+        print(ok, flush=True)
+
+
+MATH_SCORER = MathScorer()
+
+
 def reward(task, completion, item):
-    """arith, gsm8k: the last number is the answer; toy (the tiny test model): a "7" anywhere."""
+    """arith, gsm8k: the last number is the answer; math: the last \\boxed{} (math_reward); toy (the
+    tiny test model): a "7" anywhere."""
+    if task == "math":
+        return math_reward(completion, item["answer"])
     return float("7" in completion) if task == "toy" else number_reward(completion, item["answer"])
 
 
@@ -83,25 +192,47 @@ def arith_is_test(a, b):
 
 
 def load_task(task, split, data=None):
-    """The items of a task split: [{"question": user message, "answer": reference}]. gsm8k comes from a
-    local JSONL file (or a folder holding train.jsonl / test.jsonl), else the hub."""
+    """The items of a task split: [{"question": user message, "answer": reference}]. gsm8k and math
+    come from a local JSONL file (or a folder holding train.jsonl / test.jsonl), else the hub."""
     if task == "toy":
         return [{"question": "Say a digit.", "answer": "7"}]
     if task == "arith":
         pairs = [(a, b) for a in range(21) for b in range(21) if arith_is_test(a, b) == (split == "test")]
         random.Random(0).shuffle(pairs)  # a fixed order (not --seed), so --limit picks the same problems
         return [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
-    if task != "gsm8k":
-        raise ValueError(f"unknown task {task!r}: use gsm8k, arith or toy")
+    if task not in ("gsm8k", "math"):
+        raise ValueError(f"unknown task {task!r}: use gsm8k, math, arith or toy")
+    if task == "math" and importlib.util.find_spec("math_verify") is None:
+        raise RolloutError("--task math needs math-verify: pip install -r requirements.txt")
     if data:
         with open(os.path.join(data, f"{split}.jsonl") if os.path.isdir(data) else data) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    else:
+    elif task == "gsm8k":
         import datasets
 
         rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    else:  # MATH (Hendrycks et al., MIT) as open-r1 loads it: problem, level, type, solution
+        import datasets
+
+        rows = datasets.load_dataset("DigitalLearningGmbH/MATH-lighteval", "default", split=split)
+    if task == "math":
+        return [math_item(r, f"{data or 'MATH'} ({split}) row {i + 1}") for i, r in enumerate(rows)]
     return [{"question": r["question"] + "\nThink step by step, then end your reply with the final answer "
              "as a plain number.", "answer": gsm8k_reference(r["answer"])} for r in rows]
+
+
+def math_item(row, where):
+    r"""A MATH row as an item: its short "answer" (MATH-500, PRM800K) else the last \boxed{} of its
+    worked "solution" (the MATH release). The prompt ends in Qwen2.5-Math's instruction."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a MATH row is a JSON object, not {type(row).__name__}")
+    answer = row.get("answer")
+    answer = str(answer) if answer not in (None, "") else last_boxed(str(row.get("solution") or ""))
+    if not answer or "problem" not in row:
+        raise ValueError(f"{where}: a MATH row needs a \"problem\" and an \"answer\", or a "
+                         f"\"solution\" with a \\boxed{{}} answer; this one has {sorted(row)[:8]}")
+    return {"question": row["problem"] + "\nPlease reason step by step, and put your final answer "
+            "within \\boxed{}.", "answer": answer}
 
 
 def shard_order(n_items, seed, replica_id, num_replicas):
@@ -513,8 +644,10 @@ def parse_args(argv=None):
     a("--bucket", help="where the trainer publishes adapters: a directory or s3://bucket/prefix")
     a("--proxy", help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
     a("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the proxy's token (env ROLLOUT_TOKEN else PROXY_TOKEN)")
-    a("--task", default="arith", choices=["gsm8k", "arith", "toy"], help="prompts and reward function")
-    a("--data", help="gsm8k: a local JSONL file, or a folder with train.jsonl/test.jsonl (default: the hub)")
+    a("--task", default="arith", choices=["gsm8k", "math", "arith", "toy"],
+      help="prompts and reward function")
+    a("--data", help="gsm8k, math: a JSONL file, or a folder with train.jsonl/test.jsonl "
+      "(default: the hub)")
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.
     a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
     a("--max-new-tokens", type=int, help="longest completion (default: the proxy's; with --eval: 128)")

@@ -1,19 +1,28 @@
-"""Rewards, task splits and sharding of rollout.py: pure functions, no model.
+"""Rewards, task splits and sharding of rollout.py: pure functions (and math-verify's process);
+one --eval run of the tiny model on MATH problems.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_rewards.py -q
 
-GSM8K lines are a real sample (tests/data/gsm8k_sample.jsonl, MIT, tests/data/LICENSE-gsm8k).
+GSM8K lines are a real sample (tests/data/gsm8k_sample.jsonl, MIT, tests/data/LICENSE-gsm8k);
+so are the MATH lines (tests/data/math_sample.jsonl: 52 MATH-500 problems, MIT,
+tests/data/LICENSE-math).
 """
 
 import itertools
 import json
 import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 import rollout
 
-SAMPLE = os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl")
+DATA = os.path.join(os.path.dirname(__file__), "data")
+SAMPLE = os.path.join(DATA, "gsm8k_sample.jsonl")
+MATH_SAMPLE = os.path.join(DATA, "math_sample.jsonl")
 
 
 def gsm8k_rows():
@@ -116,3 +125,159 @@ def test_sharding_differs_per_replica():
 
 def test_vllm_rank_rounding():
     assert [rollout.vllm_rank(r) for r in (1, 2, 8, 9, 33, 300)] == [1, 8, 8, 16, 64, 320]
+
+
+# ----------------------------------------------------------------------------- MATH (math-verify)
+
+def math_rows():
+    with open(MATH_SAMPLE) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_math_sample_solutions_score_themselves():
+    rows = math_rows()
+    assert len(rows) >= 50 and {"problem", "solution", "answer"} <= set(rows[0])
+    for row in rows:
+        # the worked solution's last \boxed{} is the short answer, as mathematics
+        assert rollout.math_reward(row["solution"], row["answer"]) == 1.0, row["answer"]
+        assert rollout.math_reward(f"So it is $\\boxed{{{row['answer']}}}$.", row["answer"]) == 1.0
+        # and a box with another number is wrong, for every one of them
+        assert rollout.math_reward(r"It is \boxed{12345}.", row["answer"]) == 0.0, row["answer"]
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    (r"so \boxed{0.5}", r"\frac12", 1.0),
+    (r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\tfrac12}", "0.5", 1.0),
+    (r"\boxed{\frac54}", "1.25", 1.0),
+    (r"\boxed{\frac{1}{3}}", "0.33", 0.0),
+    (r"\boxed{5\text{ cm}}", "5", 1.0),  # units
+    (r"\boxed{5}", r"5\text{ cm}", 1.0),
+    (r"\boxed{5.4}", r"5.4 \text{ cents}", 1.0),
+    (r"\boxed{\frac{270}{7}}", r"\frac{270}7\text{ degrees}", 1.0),
+    (r"\boxed{90}", r"90^\circ", 1.0),
+    (r"\boxed{18.9}", r"\$18.90", 1.0),
+    (r"\boxed{32348}", r"\$32,\!348", 1.0),
+    (r"\boxed{(0,1]}", "(0, 1]", 1.0),  # intervals: which ends are closed matters
+    (r"\boxed{(0,1)}", "(0, 1]", 0.0),
+    (r"\boxed{[0,1]}", "(0, 1]", 0.0),
+    (r"\boxed{(-\infty,2)\cup(3,\infty)}", r"(-\infty, 2) \cup (3, \infty)", 1.0),
+    (r"\boxed{[-2,7]}", r"x \in [-2,7]", 1.0),
+    (r"\boxed{(3,\frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+    (r"\boxed{7,5,3}", "3, 5, 7", 1.0),
+    (r"\boxed{-2+7i}", "-2 + 7i", 1.0),
+    (r"\boxed{\sqrt{242}}", r"11\sqrt2", 1.0),
+    (r"\boxed{p-q}", "p - q", 1.0),
+    (r"\boxed{q-p}", "p - q", 0.0),
+    (r"\boxed{Evelyn}", r"\text{Evelyn}", 1.0),
+    (r"\boxed{\text{Briana}}", r"\text{Evelyn}", 0.0),
+    (r"It is \boxed{3}. No wait: \boxed{2}", "2", 1.0),  # two boxes: the last is the answer
+    (r"It is \boxed{2}. No wait: \boxed{3}", "2", 0.0),
+])
+def test_math_reward_equivalent_answers(completion, reference, expected):
+    assert rollout.math_reward(completion, reference) == expected
+
+
+@pytest.mark.parametrize("completion", [
+    "", "The answer is 2.", "$2$",  # no box: the prompt asks for one
+    r"\boxed{}", r"\boxed{   }", r"\boxed{2", r"\boxed{\frac{1}{", r"so \boxed{2} and \boxed{",
+    r"\boxed{\frac{1}{}}", r"\boxed{)(}", r"\boxed{\sqrt}", r"\boxed{\left(}", r"\boxed{1/0}",
+    "\\boxed{\x00\udcff\uffff}", "\\boxed{" + "{" * 500 + "}" * 500 + "}" + "}" * 3,
+    r"\boxed{2^{2^{2^{2^{2^{2}}}}}}", "\\boxed{2}" * 5000 + "\\boxed{",
+])
+def test_math_reward_malformed_output_is_zero(completion):
+    t0 = time.time()
+    assert rollout.math_reward(completion, "2") == 0.0
+    assert time.time() - t0 < rollout.MATH_SCORER.timeout_s + 5
+
+
+def test_last_boxed():
+    assert rollout.last_boxed(r"a \boxed{\frac{1}{2}} b") == r"\frac{1}{2}"
+    assert rollout.last_boxed(r"\boxed{1} then \boxed{\{2, 3\}}") == r"\{2, 3\}"
+    assert rollout.last_boxed(r"\boxed{1} then \boxed{2") is None  # the last one never closed
+    assert rollout.last_boxed("no box") is None and rollout.last_boxed(r"\boxed{}") == ""
+
+
+def test_math_reward_in_threads():
+    """math-verify's own timeouts need the main thread; the scorer works from any thread."""
+    cases = [(r"\boxed{0.5}", r"\frac12", 1.0), (r"\boxed{(0,1)}", "(0, 1]", 0.0),
+             (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}", 1.0), (r"\boxed{3}", "4", 0.0)] * 5
+    got = {}
+
+    def score(i, completion, reference):
+        got[i] = rollout.math_reward(completion, reference)
+
+    threads = [threading.Thread(target=score, args=(i, *c[:2])) for i, c in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {i: c[2] for i, c in enumerate(cases)}
+
+
+def test_math_scorer_kills_a_stuck_check():
+    """An answer math-verify takes seconds on (a power tower) gets 0.0 after the scorer's limit,
+    not after math-verify's own 5 s; the next answer is scored by a fresh process."""
+    scorer = rollout.MathScorer(timeout_s=1.0)
+    assert scorer(r"\frac12", "0.5") == 1.0  # started
+    first = scorer.proc.pid
+    t0 = time.time()
+    assert scorer(r"9^{9^{9^{9}}}", "2") == 0.0
+    assert time.time() - t0 < 3.0
+    assert scorer("2", "2") == 1.0 and scorer.proc.pid != first
+    scorer.proc.kill()  # died between calls: replaced before the next answer
+    scorer.proc.wait()
+    assert scorer("2", "2") == 1.0
+    scorer.close()
+
+
+def test_math_items_from_a_file_a_folder_and_solutions_only(tmp_path):
+    items = rollout.load_task("math", "test", MATH_SAMPLE)
+    rows = math_rows()
+    assert [i["answer"] for i in items] == [r["answer"] for r in rows]
+    assert items[2]["question"].startswith(rows[2]["problem"])
+    assert items[2]["question"].endswith(r"put your final answer within \boxed{}.")
+    with open(MATH_SAMPLE) as f:
+        (tmp_path / "train.jsonl").write_text("".join(f.readlines()[:3]))
+    assert len(rollout.load_task("math", "train", str(tmp_path))) == 3
+    # the MATH release (and the hub copy) has no short answer: the solution's last \boxed{} is it
+    lighteval = tmp_path / "lighteval.jsonl"
+    lighteval.write_text("".join(json.dumps({"problem": r["problem"], "level": r["level"],
+                                             "type": r["subject"], "solution": r["solution"]})
+                                 + "\n" for r in rows))
+    assert [i["answer"] for i in rollout.load_task("math", "test", str(lighteval))] == \
+        [rollout.last_boxed(r["solution"]) for r in rows]
+    assert all(rollout.math_reward(r["solution"], i["answer"]) == 1.0
+               for r, i in zip(rows, rollout.load_task("math", "test", str(lighteval))))
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"problem": "1+1?", "solution": "It is 2."}', "row 2: a MATH row needs"),
+    ('{"question": "1+1?", "answer": "2"}', "row 2: a MATH row needs"),
+    ('["1+1?", "2"]', "row 2: a MATH row is a JSON object, not list"),
+])
+def test_math_rows_without_an_answer_are_named(tmp_path, line, says):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"problem": "2+2?", "answer": "4"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=says):
+        rollout.load_task("math", "test", str(path))
+
+
+def test_cli_eval_math(tiny_model, tmp_path):
+    """rollout.py --eval --task math runs end to end (the tiny model's accuracy is ~0: the path is
+    the point), and scores its completions as math_reward does."""
+    out = str(tmp_path / "eval.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, os.path.join(root, "rollout.py"), "--eval", "--task", "math",
+           "--data", MATH_SAMPLE, "--model", tiny_model, "--engine", "hf", "--limit", "4",
+           "--max-new-tokens", "8", "--no-eval-cache", "--eval-out", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "eval math adapter=base hf: accuracy" in r.stdout
+    with open(out) as f:
+        result = json.load(f)
+    assert result["task"] == "math" and result["n"] == 4
+    assert [x["answer"] for x in result["results"]] == [r["answer"] for r in math_rows()[:4]]
+    assert [x["correct"] for x in result["results"]] == \
+        [rollout.math_reward(x["completion"], x["answer"]) for x in result["results"]]
