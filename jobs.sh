@@ -41,7 +41,7 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${MAX_NEW_TOKENS:=256}" "${LEARNING_RATE:=5e-5}"
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
-  : "${IMAGE:=vllm/vllm-openai:v0.33.0}"   # the vLLM setup.sh pins (torch 2.13, as requirements.txt)
+  : "${IMAGE:=vllm/vllm-openai:v0.32.0}"   # setup.sh's vLLM pin: torch 2.13.0, transformers <5.20
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
   if [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"

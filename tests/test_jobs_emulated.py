@@ -87,7 +87,7 @@ def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path):
         "import requests\n"  # the full image has the project's packages; python:* images only the stdlib
     )
     client = job_id(hf(env, "jobs", "run", "--detach", "--secrets", "HF_TOKEN", "-e", "GREETING=hi", "-v",
-                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "vllm/vllm-openai:v0.33.0", "bash", "-c",
+                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "vllm/vllm-openai:v0.32.0", "bash", "-c",
                        "command -v python || echo 'no python'; echo \"$GREETING $HF_TOKEN $JOB_ID\"; "
                        "echo written > /bucket/out.txt; touch /code/x || echo 'code is read-only'; "
                        f"python3 -c \"{probe}\" https://{server}--8000.hf.jobs https://{server}--8001.hf.jobs && "
@@ -100,8 +100,8 @@ def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path):
     assert (tmp_path / "hub" / "buckets" / "alice" / "b" / "out.txt").read_text() == "written\n"
     # the standard library only in a python:* image; :ro buckets refuse writes; a missing package fails pip
     for image, volume, cmd in [("python:3.12-slim", [], "python3 -c 'import requests'"),
-                               ("vllm/vllm-openai:v0.33.0", ["-v", "hf://buckets/alice/b:/bucket:ro"], "touch /bucket/y"),
-                               ("vllm/vllm-openai:v0.33.0", [], "pip install -q no-such-package-xyz==1.0")]:
+                               ("vllm/vllm-openai:v0.32.0", ["-v", "hf://buckets/alice/b:/bucket:ro"], "touch /bucket/y"),
+                               ("vllm/vllm-openai:v0.32.0", [], "pip install -q no-such-package-xyz==1.0")]:
         jid = job_id(hf(env, "jobs", "run", "--detach", *volume, image, "bash", "-c", cmd))
         assert wait_stage(env, jid) == "ERROR", (cmd, job_log(env, jid))
     assert hf(env, "jobs", "cancel", server).returncode == 0
