@@ -12,6 +12,8 @@ buffer, the trainer's version, the generation quota and the end of the run.
 
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
 out. Fields and status codes: README.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
+Tokens travel as `X-Proxy-Token: <token>` (Authorization is left to a gateway such as HF Jobs'). A
+replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
 
     python proxy.py --port 8000 --num-generations 8 --groups-per-step 16 --max-staleness 4   # local
     PROXY_TOKEN=t ROLLOUT_TOKEN=r python proxy.py --host 0.0.0.0 ...   # exposed: the trainer's, the replicas' token
@@ -21,6 +23,7 @@ out. Fields and status codes: README.md. ProxyClient (rollout.py, trainer.py) ne
 import argparse
 import collections
 import errno
+import hashlib
 import hmac
 import io
 import json
@@ -53,6 +56,7 @@ WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered")  # coun
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
           "/batch": "GET", "/version": "POST", "/done": "POST"}
 REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}  # what the replicas' token opens
+TOKEN_HEADER = "X-Proxy-Token"  # the proxy's credentials; Authorization belongs to a gateway (HF Jobs)
 
 
 class ProxyError(Exception):
@@ -73,6 +77,25 @@ class ApiError(Exception):
     def __init__(self, message, code=400, headers=None, payload=None):
         super().__init__(message)
         self.code, self.headers, self.payload = code, headers or {}, payload or {}
+
+
+# ---- credentials: the trainer's token, the replicas' secret R, a replica's name bound to R -------
+
+def replica_token(secret, worker):
+    """A replica's credential bound to its worker name: `worker:mac`, mac = HMAC-SHA256(R, worker)[:32]."""
+    return f"{worker}:{hmac.new(secret.encode(), worker.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+
+def replica_worker(secret, got):
+    """What the credential `got` (bytes) opens under the replicas' secret: "" for R itself (any worker
+    name), the bound worker name for replica_token(R, name), None for anything else."""
+    if not secret:
+        return None
+    if hmac.compare_digest(got, secret.encode()):
+        return ""
+    worker = got.rpartition(b":")[0].decode("latin-1")
+    ok = NAME[0](worker) and hmac.compare_digest(got, replica_token(secret, worker).encode("latin-1", "replace"))
+    return worker if ok else None
 
 
 # ---- validation: pure functions, also used by tests/bench_proxy.py ---------------------------
@@ -455,13 +478,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
             raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
         if path == "/healthz":
             return
-        got = self.headers.get("Authorization", "").encode("latin-1", "replace")  # compared in constant time
-        trainer = not self.token or hmac.compare_digest(got, b"Bearer " + self.token.encode())
-        replica = not trainer and self.rollout_token and hmac.compare_digest(got, b"Bearer " + self.rollout_token.encode())
-        if not (trainer or replica):
-            raise ApiError("missing or wrong token: send 'Authorization: Bearer <token>' (the trainer's PROXY_TOKEN, "
-                           "or the replicas' ROLLOUT_TOKEN)", 401, {"WWW-Authenticate": "Bearer"})
-        if replica and path not in REPLICA_PATHS:
+        got = self.headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")  # compared in constant time
+        trainer = not self.token or hmac.compare_digest(got, self.token.encode())
+        self.bound = None if trainer else replica_worker(self.rollout_token, got)  # "": unbound, else the name
+        if not trainer and self.bound is None:
+            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's PROXY_TOKEN, or "
+                           "the replicas' ROLLOUT_TOKEN); Authorization is left to a gateway", 401,
+                           {"WWW-Authenticate": f'ProxyToken header="{TOKEN_HEADER}"'})
+        if self.bound is not None and path not in REPLICA_PATHS:
             raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' (--rollout-token, "
                            "ROLLOUT_TOKEN): only the trainer drains /batch, sets the version and ends the run", 403)
         self.buffer.last_request = time.monotonic()  # --linger counts quiet seconds from the last request of the run
@@ -516,10 +540,18 @@ class ProxyHandler(BaseHTTPRequestHandler):
         except OSError:
             return True
 
+    def _check_worker(self, worker, where):  # a bound credential speaks for its own worker name only
+        if self.bound and worker != self.bound:
+            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker {self.bound!r} "
+                           "(proxy.py --print-replica-token NAME makes one per replica)", 403)
+
     def _route(self, path, query):
         b = self.buffer
         if path == "/rollouts":
-            return b.add(validate_rollouts(self._read_json(), b.max_groups, b.contract))
+            groups = validate_rollouts(self._read_json(), b.max_groups, b.contract)
+            for i, g in enumerate(groups):
+                self._check_worker(g["worker"], f"groups[{i}].worker")
+            return b.add(groups)
         if path == "/batch":
             q = parse_query(query, {"groups": None, "timeout": "0"})
             groups, version = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q), self._peer_gone)
@@ -527,6 +559,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if path == "/quota":
             q = parse_query(query, {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"})
             _check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
+            self._check_worker(q["worker"], "worker")
             return b.quota(q["worker"], query_int(q, "version", 0, MAX_INT - 1), query_int(q, "max", 1, MAX_INT - 1),
                            query_seconds(q))
         if path in ("/version", "/done"):
@@ -625,21 +658,25 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
 class ProxyClient:
     """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff. A proxy that restarted has
     forgotten the trainer's version: its 409 on GET /batch is answered by announcing it again (the one
-    place a restart is handled). One per thread (it keeps a session). `token` (default: PROXY_TOKEN):
-    the trainer's, or the replicas' where the proxy has one (ROLLOUT_TOKEN)."""
-    HINTS = {401: " (check the token: PROXY_TOKEN for the trainer, ROLLOUT_TOKEN for replicas when the proxy has one)",
-             403: " (this process has the replicas' token: give the trainer PROXY_TOKEN)",
+    place a restart is handled). One per thread (it keeps a session). `token` (default: PROXY_TOKEN),
+    sent as X-Proxy-Token: the trainer's, or a replica's where the proxy has ROLLOUT_TOKEN.
+    `gateway_token` (default: GATEWAY_TOKEN), sent as `Authorization: Bearer`: for a gateway only."""
+    HINTS = {401: " (check the token: PROXY_TOKEN for the trainer, ROLLOUT_TOKEN for replicas when the proxy "
+                  "has one)",
+             403: " (a replica's token opens its own endpoints and worker name only: give the trainer PROXY_TOKEN)",
              404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
              413: " (send fewer groups per POST or raise the proxy's --max-body-mb / --max-buffer-mb)"}
 
-    def __init__(self, url, token=None, max_wait=300.0):
+    def __init__(self, url, token=None, max_wait=300.0, gateway_token=None):
         import requests  # the client's only dependency; the server needs none
 
         self._requests, self.url, self.max_wait = requests, url.rstrip("/"), max_wait
         self.session = requests.Session()
         self.version = None  # the last version this client announced: announced again to a restarted proxy
         if token := token or os.environ.get("PROXY_TOKEN"):
-            self.session.headers["Authorization"] = f"Bearer {token}"
+            self.session.headers[TOKEN_HEADER] = token
+        if gateway := gateway_token or os.environ.get("GATEWAY_TOKEN"):  # opens a gateway (HF Jobs) in front
+            self.session.headers["Authorization"] = f"Bearer {gateway}"
 
     def contract(self, flags=None, **given):
         """The run's settings from GET /config. `given`: the flags a role was started with (None: not given);
@@ -737,9 +774,19 @@ def main(argv=None):
     a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
     a("--lease-timeout", type=float, default=120.0, help="seconds a replica's quota counts as coming")
     a("--linger", type=float, default=60.0, help="after /done, exit once replicas were told or after this many idle s")
-    a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's bearer token (default: $PROXY_TOKEN)")
-    a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"), help="the replicas' token (default: $ROLLOUT_TOKEN)")
+    a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's token, sent as X-Proxy-Token "
+      "(default: $PROXY_TOKEN)")
+    a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"),
+      help="the replicas' shared secret R (default: $ROLLOUT_TOKEN); it also checks bound credentials")
+    a("--print-replica-token", metavar="WORKER",
+      help="print the credential bound to WORKER under --rollout-token, and exit")
     args = vars(p.parse_args(argv))
+    if worker := args.pop("print_replica_token"):
+        if not args["rollout_token"] or not NAME[0](worker):
+            sys.exit(f"proxy.py: error: --print-replica-token needs ROLLOUT_TOKEN (or --rollout-token) and a "
+                     f"worker name of 1 to {MAX_NAME} characters")
+        print(replica_token(args["rollout_token"], worker))
+        return
     linger = args.pop("linger")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     try:

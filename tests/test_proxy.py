@@ -24,7 +24,8 @@ import pytest
 import requests
 
 from conftest import ROOT, free_port, wait_port
-from proxy import ConfigError, ProxyClient, ProxyError, RolloutBuffer, parse_query, query_seconds, serve
+from proxy import (ConfigError, ProxyClient, ProxyError, RolloutBuffer, parse_query, query_seconds, replica_token,
+                   serve)
 
 TOKEN = "s3cret-token"
 REPLICA_TOKEN = "replica-token"
@@ -110,7 +111,7 @@ def healthy(url):
 
 
 def auth(token=TOKEN):
-    return {"Authorization": f"Bearer {token}"}
+    return {"X-Proxy-Token": token}
 
 
 def post(url, *groups, **kw):
@@ -131,12 +132,14 @@ def test_healthz_needs_no_token_and_everything_else_does(proxy):
              ("POST", "/version", {"version": 1}), ("POST", "/done", {})]
     for method, path, body in calls:
         for headers in ({}, auth("wrong"), auth(TOKEN + "x"), {"Authorization": TOKEN},
-                        {"Authorization": "Basic eDp5"}):
+                        {"Authorization": f"Bearer {TOKEN}"}):  # Authorization is the gateway's, never ours
             r = requests.request(method, url + path, json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers)
-            assert r.headers["WWW-Authenticate"] == "Bearer" and "PROXY_TOKEN" in r.json()["error"]
+            assert "X-Proxy-Token" in r.headers["WWW-Authenticate"] and "PROXY_TOKEN" in r.json()["error"]
     s = stats(url, headers=auth())
     assert s["accepted"] == 0 and s["trainer_version"] is None and s["state"] == "waiting" and s["rejected"] == 35
+    s = stats(url, headers={**auth(), "Authorization": "Bearer hf_gateway"})  # a gateway's header rides along
+    assert s["state"] == "waiting"
     assert post(url, make_group("a"), headers=auth()).status_code == 200
 
 
@@ -535,6 +538,53 @@ def test_the_replicas_token_cannot_drain_batches_or_set_the_version(proxy, capsy
     r = requests.post(url + "/rollouts", json={"groups": [make_group("x")]}, headers=auth("other"))
     assert r.status_code == 401 and "ROLLOUT_TOKEN" in r.json()["error"]
     assert "retrying" not in capsys.readouterr().err
+
+
+def test_a_bound_replica_token_speaks_for_its_own_worker_name_only(proxy):
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=4)
+    cred = replica_token(REPLICA_TOKEN, "replica-0")
+    assert cred.startswith("replica-0:") and len(cred.split(":")[1]) == 32 and cred != replica_token("R2", "replica-0")
+    ProxyClient(url, token=TOKEN).set_version(0)
+    r0 = ProxyClient(url, token=cred)
+    assert r0.quota("replica-0", 0, 100, timeout=0)["groups"] == 4
+    assert r0.post_rollouts(groups_for("replica-0", 0, 2, "a"))["accepted"] == 2
+    with pytest.raises(ProxyError, match=r"HTTP 403: worker: 'replica-1', but this credential is bound to worker "
+                                         r"'replica-0'.*--print-replica-token"):
+        r0.quota("replica-1", 0, 100, timeout=0)
+    with pytest.raises(ProxyError, match=r"HTTP 403: groups\[1\].worker: 'replica-1', but .* bound to worker"):
+        r0.post_rollouts(groups_for("replica-0", 0, 1, "b") + groups_for("replica-1", 0, 1, "b"))
+    with pytest.raises(ProxyError, match="HTTP 403: /batch takes the trainer's token"):
+        r0.get_batch(1, timeout=0)
+    forged = [cred[:-1] + ("0" if cred[-1] != "0" else "1"), "replica-1:" + cred.split(":")[1],
+              replica_token(TOKEN, "replica-0"), "replica-0:", ":" + cred.split(":")[1]]
+    for bad in forged:
+        r = requests.get(url + "/config", headers=auth(bad))
+        assert r.status_code == 401, bad
+    # the shared secret itself: any worker name (local runs, older scripts)
+    assert ProxyClient(url, token=REPLICA_TOKEN).quota("anyone", 0, 100, timeout=0)["state"] == "running"
+    s = ProxyClient(url, token=TOKEN).stats()
+    assert (s["accepted"], s["buffered"]) == (2, 2) and s["rejected"] == 3 + len(forged)
+
+
+def test_the_client_sends_its_token_and_a_gateway_token_in_their_own_headers(proxy, monkeypatch):
+    url, _ = proxy(token=TOKEN)
+    monkeypatch.setenv("PROXY_TOKEN", TOKEN)
+    monkeypatch.setenv("GATEWAY_TOKEN", "hf_gateway")
+    client = ProxyClient(url)
+    assert client.session.headers["X-Proxy-Token"] == TOKEN
+    assert client.session.headers["Authorization"] == "Bearer hf_gateway"
+    assert client.stats()["state"] == "waiting"  # the proxy ignores Authorization
+    monkeypatch.delenv("GATEWAY_TOKEN")
+    assert "Authorization" not in ProxyClient(url, token=TOKEN).session.headers
+
+
+def test_cli_prints_a_replica_token_bound_to_a_worker():
+    env = {k: v for k, v in os.environ.items() if k not in ("PROXY_TOKEN", "ROLLOUT_TOKEN")}
+    cmd = [sys.executable, os.path.join(ROOT, "proxy.py"), "--print-replica-token", "replica-3"]
+    out = subprocess.run(cmd, env={**env, "ROLLOUT_TOKEN": REPLICA_TOKEN}, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == replica_token(REPLICA_TOKEN, "replica-3") + "\n"
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "--print-replica-token needs ROLLOUT_TOKEN" in out.stderr
 
 
 def test_one_token_serves_every_role_when_there_is_no_replicas_token(proxy):

@@ -80,7 +80,7 @@ def mutated_group(rnd):
 def http(method, path, body=None, token=TOKEN, headers=()):
     lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", *headers]
     if token is not None:
-        lines.append(f"Authorization: Bearer {token}")
+        lines.append(f"X-Proxy-Token: {token}")
     if body is not None:
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
@@ -104,7 +104,7 @@ def hostile_request(rnd, valid_body):
                                          ("GET", "/batch?groups=1&timeout=0", None), ("GET", "/config", None),
                                          ("GET", "/quota?worker=w&version=1", None), ("POST", "/done", b"{}"),
                                          ("POST", "/version", b'{"version": 9}')])
-        extra = [f"Authorization: Basic {TOKEN}"] if token is None and rnd.random() < 0.5 else []
+        extra = [f"Authorization: Bearer {TOKEN}"] if token is None and rnd.random() < 0.5 else []
         if rnd.random() < 0.4:  # the replicas' token, on the trainer's endpoints: 403
             method, path, body = rnd.choice([("GET", "/batch?groups=1&timeout=0", None), ("POST", "/done", b"{}"),
                                              ("POST", "/version", b'{"version": 2147483647}')])
@@ -143,7 +143,7 @@ def hostile_request(rnd, valid_body):
         claim = rnd.choice(["abc", "-1", "1e3", " ", "+5", "0x10", "9" * 30, "99999999999", str(len(valid_body) + 99)])
         head = [f"Content-Length: {claim}"] if rnd.random() < 0.7 else rnd.choice(
             [["Transfer-Encoding: chunked"], [], ["Content-Length: 5", "Content-Length: 6"]])
-        head += ["Authorization: Bearer " + TOKEN, "Connection: close"]
+        head += ["X-Proxy-Token: " + TOKEN, "Connection: close"]
         data = ("POST /rollouts HTTP/1.1\r\n" + "\r\n".join(head) + "\r\n\r\n").encode()
         if "99999999999" in claim:
             return data, False  # far over --max-body-mb: 413 without the body ever being sent
@@ -183,7 +183,7 @@ def test_600_hostile_requests_get_4xx_and_change_no_counter():
         assert {400, 401, 403, 404, 405, 409, 411, 413} <= set(statuses), statuses
         # and it still works: the valid body is accepted, then handed out
         assert client.post_rollouts(json.loads(valid_body)["groups"])["accepted"] == 1
-        assert requests.get(url + "/batch?groups=4", headers={"Authorization": f"Bearer {TOKEN}"}).json()["groups"][-1][
+        assert requests.get(url + "/batch?groups=4", headers={"X-Proxy-Token": TOKEN}).json()["groups"][-1][
             "group_id"] == "never-valid-here"
     finally:
         server.shutdown()
