@@ -13,6 +13,7 @@ network namespaces); skipped elsewhere.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,53 +52,87 @@ def job_id(res):
 
 
 def wait_stage(env, jid, timeout=120):
-    """The job's stage once it is no longer RUNNING (from `hf jobs inspect --format json`)."""
+    """The job's stage once it is neither SCHEDULING nor RUNNING (`hf jobs inspect --format json`)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         res = hf(env, "jobs", "inspect", "--format", "json", jid)
         status = json.loads(res.stdout)[0]["status"]
-        if status["stage"] != "RUNNING":
+        if status["stage"] not in ("SCHEDULING", "RUNNING"):
             return status["stage"]
         time.sleep(0.5)
-    raise TimeoutError(f"job {jid} still RUNNING after {timeout}s")
+    raise TimeoutError(f"job {jid} still running after {timeout}s")
 
 
 def job_log(env, jid):
     return hf(env, "jobs", "logs", jid).stdout
 
 
-def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path):
-    env = hf_jobs
+ECHO_SERVER = """
+import json, http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        data = json.dumps(dict(self.headers)).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+PROBE = """
+import os, sys, time, urllib.request, urllib.error
+def get(url, auth):
+    headers = {"Authorization": "Bearer " + os.environ["HF_TOKEN"]} if auth else {}
+    for attempt in range(40):  # the server job may still be scheduling or starting
+        try:
+            return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5).read().decode()
+        except urllib.error.HTTPError as e:
+            if e.code != 502 or url != sys.argv[1]:  # once the first server answered, 502 is final
+                return str(e.code)
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return "unreachable"
+for url in sys.argv[1:]:
+    print(url, "with:", get(url, True), "without:", get(url, False))
+import requests  # the full image has the project's packages; python:* images only the stdlib
+"""
+
+
+@pytest.mark.parametrize("mode", ["forward", "strip"])
+def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path, mode):
+    env = dict(hf_jobs, HF_EMU_GATEWAY=mode, HF_HUB_OFFLINE="1")  # the host's offline setting: not the jobs'
     code = tmp_path / "code"
     code.mkdir()
-    (code / "page.txt").write_text("served")
+    (code / "echo.py").write_text(ECHO_SERVER)
+    (code / "probe.py").write_text(PROBE)
     assert hf(env, "buckets", "create", "alice/b", "--private", "--exist-ok").returncode == 0
-    # a server on 0.0.0.0:8000 (exposed) and one on 127.0.0.1:8001 (exposed, but loopback only)
-    server = job_id(hf(env, "jobs", "run", "--detach", "--expose", "8000", "--expose", "8001", "-v", f"{code}:/code",
-                       "python:3.12-slim", "bash", "-c",
-                       "cd /code && (python3 -m http.server 8001 --bind 127.0.0.1 &) && "
-                       "exec python3 -m http.server 8000 --bind 0.0.0.0"))
-    probe = (
-        "import sys, time, urllib.request\n"
-        "for url in sys.argv[1:]:\n"
-        "    for attempt in range(10):\n"  # the server job may still be starting
-        "        try: print(url, urllib.request.urlopen(url + '/page.txt', timeout=5).read().decode()); break\n"
-        "        except OSError as e: time.sleep(0.5)\n"
-        "    else: print(url, 'unreachable')\n"
-        "import requests\n"  # the full image has the project's packages; python:* images only the stdlib
-    )
+    # an echo server on 0.0.0.0:8000 (exposed) and one on 127.0.0.1:8001 (exposed, but loopback only)
+    res = hf(env, "jobs", "run", "--detach", "--expose", "8000", "--expose", "8001", "-v", f"{code}:/code",
+             "python:3.12-slim", "bash", "-c",
+             "cd /code && (python3 -m http.server 8001 --bind 127.0.0.1 &) && exec python3 echo.py")
+    server = job_id(res)
+    info = json.loads(hf(env, "jobs", "inspect", "--format", "json", server).stdout)[0]
+    assert info["status"]["stage"] == "SCHEDULING"  # before RUNNING, as on Jobs
+    outside = info["status"]["expose_urls"][0]  # this machine's way in: the same gateway
     client = job_id(hf(env, "jobs", "run", "--detach", "--secrets", "HF_TOKEN", "-e", "GREETING=hi", "-v",
-                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "vllm/vllm-openai:v0.32.0", "bash", "-c",
+                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "--",
+                       "vllm/vllm-openai:v0.32.0", "bash", "-c",
                        "command -v python || echo 'no python'; echo \"$GREETING $HF_TOKEN $JOB_ID\"; "
+                       "echo \"offline=${HF_HUB_OFFLINE:-unset} accelerator=$ACCELERATOR\"; "
                        "echo written > /bucket/out.txt; touch /code/x || echo 'code is read-only'; "
-                       f"python3 -c \"{probe}\" https://{server}--8000.hf.jobs https://{server}--8001.hf.jobs && "
+                       f"python3 /code/probe.py https://{server}--8000.hf.jobs https://{server}--8001.hf.jobs && "
                        "python3 -m pip install -q 'peft==0.21.2' && echo 'pip: already there'"))
     assert wait_stage(env, client) == "COMPLETED", job_log(env, client)
     out = job_log(env, client)
     assert "no python" in out and f"hi hf_emulated_token {client}" in out, out
+    assert "offline=unset accelerator=none" in out, out  # only -e/-s and what Jobs sets
     assert "code is read-only" in out and "pip: already there" in out, out
-    assert "http://10.233.0.1:8000 served" in out and "http://10.233.0.1:8001 unreachable" in out, out
+    port_8000, port_8001 = re.findall(r"^http://10\.233\.0\.1:\d+ with: (.*) without: (\S+)$", out, re.M)
+    assert port_8000[1] == "401" and port_8001[1] == "401", out  # the gateway: no HF bearer, no entry
+    assert ("Authorization" in json.loads(port_8000[0])) == (mode == "forward"), out
+    assert port_8001[0] == "502", out  # bound to 127.0.0.1: the gateway cannot reach it
     assert (tmp_path / "hub" / "buckets" / "alice" / "b" / "out.txt").read_text() == "written\n"
+    got = subprocess.run(["curl", "-s", "-H", "Authorization: Bearer hf_emulated_token", outside + "/x"],
+                         capture_output=True, text=True, timeout=30).stdout
+    assert json.loads(got)["Host"], got
     # the standard library only in a python:* image; :ro buckets refuse writes; a missing package fails pip
     for image, volume, cmd in [("python:3.12-slim", [], "python3 -c 'import requests'"),
                                ("vllm/vllm-openai:v0.32.0", ["-v", "hf://buckets/alice/b:/bucket:ro"], "touch /bucket/y"),
@@ -106,6 +141,20 @@ def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path):
         assert wait_stage(env, jid) == "ERROR", (cmd, job_log(env, jid))
     assert hf(env, "jobs", "cancel", server).returncode == 0
     assert wait_stage(env, server) == "CANCELED"
+
+
+def test_a_read_only_mount_shows_another_jobs_file_late(hf_jobs):
+    env = dict(hf_jobs, HF_EMU_MOUNT_LAG="3 4")
+    assert hf(env, "buckets", "create", "alice/lag", "--exist-ok").returncode == 0
+    reader = job_id(hf(env, "jobs", "run", "--detach", "-v", "hf://buckets/alice/lag:/b:ro", "python:3.12-slim",
+                       "bash", "-c", "until [ -f /b/f ]; do sleep 0.2; done; echo seen $(date +%s.%N)"))
+    writer = job_id(hf(env, "jobs", "run", "--detach", "-v", "hf://buckets/alice/lag:/b", "python:3.12-slim",
+                       "bash", "-c", "echo x > /b/f; cat /b/f; echo wrote $(date +%s.%N)"))
+    assert wait_stage(env, writer) == "COMPLETED" and wait_stage(env, reader) == "COMPLETED"
+    wrote = float(job_log(env, writer).split("wrote ")[1])
+    seen = float(job_log(env, reader).split("seen ")[1])
+    assert 2.5 < seen - wrote < 8, (wrote, seen)  # the writer sees its own write at once ("x" above)
+    assert "x" in job_log(env, writer)
 
 
 def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
