@@ -172,14 +172,15 @@ host_python() {  # sets PYH: a python3 on this machine (.venv's when there is on
   elif command -v python3 >/dev/null; then PYH=python3
   else die "python3 is missing on this machine (jobs.sh runs proxy.py here to make the replicas' tokens)"; fi
 }
-http_get() {  # URL HEADER [OUT] — status 0 on a 2xx answer. HEADER ("Name: value") goes on stdin,
-  # never on a command line (readable by every user in /proc). curl when there is one, else python3.
+http_get() {  # URL HEADERS [OUT] — status 0 on a 2xx answer. HEADERS ("Name: value" lines) go on
+  # stdin, never on a command line (readable by every user in /proc). curl, else python3.
   if command -v curl >/dev/null; then
-    printf 'header = "%s"\n' "$2" | curl -sf --max-time 10 -K - -o "${3:-/dev/null}" "$1" 2>/dev/null
+    printf '%s\n' "$2" | sed 's/^/header = "/; s/$/"/' |
+      curl -sf --max-time 10 -K - -o "${3:-/dev/null}" "$1" 2>/dev/null
   else
     printf '%s' "$2" | "$PYH" -c 'import sys, urllib.request as u
-name, value = sys.stdin.read().split(": ", 1)
-body = u.urlopen(u.Request(sys.argv[1], headers={name: value}), timeout=10).read()
+headers = dict(line.split(": ", 1) for line in sys.stdin.read().splitlines())
+body = u.urlopen(u.Request(sys.argv[1], headers=headers), timeout=10).read()
 open(sys.argv[2], "wb").write(body)' "$1" "${3:-/dev/null}" 2>/dev/null
   fi
 }
@@ -384,35 +385,39 @@ try:
 except ValueError:
     print("?")' 2>/dev/null || echo "?"
 }
-wait_for_proxy() {  # ID — until the job is RUNNING and its /healthz answers through the gateway;
+wait_for_proxy() {  # ID [ROLE] — until the job is RUNNING and its /healthz answers through the gateway;
   # sets URL (the exposed URL `hf jobs inspect` shows, else the one built from the id). On a
   # timeout or an ended job: a clear message, and every job of this launch cancelled.
-  local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public
-  echo "[jobs] waiting for the proxy: RUNNING, then GET $URL/healthz (up to ${STARTUP_TIMEOUT}s)"
+  local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy}
+  echo "[jobs] waiting for the $role job: RUNNING, then GET $URL/healthz (up to ${STARTUP_TIMEOUT}s)"
   while :; do
     read -r stage public <<<"$(proxy_info "$1") "
     case $stage in ERROR|CANCELED|CANCELLED|COMPLETED|DELETED)
-      abort_launch "the proxy job $1 ended ($stage) before it answered: see '${HF[*]} jobs logs $1'" ;; esac
+      abort_launch "the $role job $1 ended ($stage) before it answered: see '${HF[*]} jobs logs $1'" ;; esac
     if [ "$stage" = RUNNING ]; then
       [ -z "$public" ] || URL=$public
       if http_get "$URL/healthz" "Authorization: Bearer $GATEWAY_TOKEN"; then
-        echo "[jobs] proxy answers at $URL"; return; fi
+        echo "[jobs] the $role job answers at $URL"; return; fi
     fi
-    [ $SECONDS -lt $deadline ] || abort_launch "the proxy job $1 did not answer $URL/healthz within \
+    [ $SECONDS -lt $deadline ] || abort_launch "the $role job $1 did not answer $URL/healthz within \
 ${STARTUP_TIMEOUT}s (stage ${stage:-unknown}): see '${HF[*]} jobs logs $1', or set STARTUP_TIMEOUT"
     sleep 2
   done
+}
+
+hf_token() {  # HF_TOKEN from the environment, else the CLI's login (`--secrets HF_TOKEN` reads it)
+  if [ -z "${HF_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then
+    HF_TOKEN=$("${HF[@]}" auth token 2>/dev/null </dev/null | tail -1) || true
+    [ -n "$HF_TOKEN" ] || die "no HF token: run 'hf auth login' or set HF_TOKEN"
+    export HF_TOKEN
+  fi
 }
 
 launch_hf() {
   [ -n "${BUCKET:-}" ] || die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
   hf_cli
   local PYH; host_python
-  if [ -z "${HF_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then  # `--secrets HF_TOKEN` reads it from here
-    HF_TOKEN=$("${HF[@]}" auth token 2>/dev/null </dev/null | tail -1) || true
-    [ -n "$HF_TOKEN" ] || die "no HF token: run 'hf auth login' or set HF_TOKEN"
-    export HF_TOKEN
-  fi
+  hf_token
   mkdir -p "$RUN"
   if [ -z "${DRY_RUN:-}" ]; then  # from here on, `bash jobs.sh stop` finds every job started
     echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
@@ -464,6 +469,69 @@ done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
 EOT
 }
 
+preflight_hf() {  # two cpu-basic jobs, < 2 minutes: what the platform does, before paying for GPUs
+  case ${BUCKET:-} in ""|s3://*) die "preflight checks a Storage Bucket mount: set BUCKET=user/name" ;; esac
+  [ -z "${DRY_RUN:-}" ] || die "preflight launches two small jobs: run it without DRY_RUN"
+  hf_cli
+  local PYH t0=$SECONDS probe out verdict; host_python
+  hf_token
+  BUCKET_ID=${BUCKET#hf://buckets/}
+  out=$("${HF[@]}" buckets create "$BUCKET_ID" --private --exist-ok 2>&1 </dev/null) ||
+    die "could not create the bucket $BUCKET_ID: $out"
+  mkdir -p "$RUN"; echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
+  rm -rf "$RUN/code"; mkdir -p "$RUN/code"
+  git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code" || die "could not copy the code to $RUN/code"
+  trap 'abort_launch "interrupted"' INT TERM
+  banner "preflight $NAME: job 1 serves port 8000 and reads the bucket, job 2 writes it"
+  local opts=(--detach --flavor cpu-basic --timeout 5m -e PYTHONUNBUFFERED=1 -v "$ROOT/$RUN/code:/code")
+  SECRETS=""
+  OPTS=("${opts[@]}" --name "$NAME-serve" --expose 8000 -v "hf://buckets/$BUCKET_ID:/bucket:ro")
+  CMD="cd /code && exec python3 scripts/preflight.py serve /bucket/$NAME --seconds 240"
+  submit serve "$PROXY_IMAGE"
+  URL=https://$JOB_ID--8000.hf.jobs GATEWAY_TOKEN=$HF_TOKEN
+  wait_for_proxy "$JOB_ID" serve
+  local reach_s=$((SECONDS - t0))
+  OPTS=("${opts[@]}" --name "$NAME-write" -v "hf://buckets/$BUCKET_ID:/bucket")
+  CMD="cd /code && exec python3 scripts/preflight.py write /bucket/$NAME --seconds 90"
+  submit write "$PROXY_IMAGE"
+
+  probe=$(new_token)
+  http_get "$URL/headers" "Authorization: Bearer $HF_TOKEN
+X-Proxy-Token: $probe" "$RUN/headers.json" || abort_launch "GET $URL/headers failed"
+  if http_get "$URL/healthz" "X-Probe: 1"; then verdict="ANSWERED (anyone can reach the port)"
+  else verdict="refused"; fi
+  local deadline=$((SECONDS + 90)) seen=""
+  while [ $SECONDS -lt $deadline ]; do
+    http_get "$URL/bucket" "Authorization: Bearer $HF_TOKEN" "$RUN/bucket.json" &&
+      grep -q '"seen": true' "$RUN/bucket.json" && { seen=1; break; }
+    sleep 2
+  done
+  banner "preflight verdicts (details in $RUN/)"
+  echo "[preflight] exposed URL reachable with the HF token: yes, $URL/healthz answered" \
+       "${reach_s}s after the launch; without a token: $verdict"
+  HEADERS_EXPECTED="Bearer $HF_TOKEN" PROBE=$probe "$PYH" - "$RUN/headers.json" <<'PY'
+import hashlib, json, os, sys
+got = json.load(open(sys.argv[1]))
+want = hashlib.sha256(os.environ["HEADERS_EXPECTED"].encode()).hexdigest()[:16]
+auth = got["authorization_sha256"]
+print("[preflight] Authorization reaches the container:", "no: the gateway removes it (the HF token "
+      "stays out of the jobs)" if auth is None else "yes, intact: the job's code can read the HF token "
+      "of whoever calls it (give callers a narrow GATEWAY_TOKEN)" if auth == want else "yes, but altered")
+xpt = got["x_proxy_token"]
+print("[preflight] X-Proxy-Token reaches the container:", "yes, intact: the proxy's own tokens work "
+      "behind this gateway" if xpt == os.environ["PROBE"] else "NO: the proxy cannot authenticate here"
+      if xpt is None else "yes, but altered")
+print("[preflight] request headers that arrived:", ", ".join(got["names"]))
+PY
+  if [ -n "$seen" ]; then
+    echo "[preflight] bucket: the file job 2 wrote was seen by job 1 after" \
+         "$(grep -oE '"lag_s": [0-9.]+' "$RUN/bucket.json" | grep -oE '[0-9.]+$') s"
+  else echo "[preflight] bucket: the file job 2 wrote was NOT seen by job 1 within 90 s"; fi
+  trap - INT TERM
+  cancel_recorded >/dev/null || true
+  echo "[preflight] done in $((SECONDS - t0)) s; both jobs cancelled"
+}
+
 cancel_recorded() {  # cancel every job in RUN/jobs.txt, whatever fails; status 1 if any was not
   local role id out failed=""
   while read -r role id <&3; do
@@ -494,4 +562,5 @@ manage_hf() {
 
 if [ "$mode" = local ]; then run_local
 elif [ "$action" = launch ]; then launch_hf
+elif [ "$action" = preflight ]; then preflight_hf
 else manage_hf "$@"; fi

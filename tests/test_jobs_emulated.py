@@ -189,3 +189,24 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
         assert json.load(f)["version"] >= 1
     follow = subprocess.run(jobs_sh("logs", "trainer"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "step 6" in follow.stdout, follow.stdout[-2000:] + follow.stderr
+
+
+@pytest.mark.parametrize("gateway", ["forward", "strip"])
+def test_preflight_answers_each_question_on_emulated_jobs(hf_jobs, hf_run_name, gateway):
+    env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/pre", HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="2 3")
+    t0 = time.time()
+    res = subprocess.run(jobs_sh("preflight"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert time.time() - t0 < 120, "preflight must take under 2 minutes"
+    verdicts = [line for line in res.stdout.splitlines() if line.startswith("[preflight] ")]
+    text = "\n".join(verdicts)
+    assert "exposed URL reachable with the HF token: yes" in text and "without a token: refused" in text, text
+    assert ("Authorization reaches the container: yes, intact" in text) == (gateway == "forward"), text
+    assert ("Authorization reaches the container: no: the gateway removes it" in text) == (gateway == "strip")
+    assert "X-Proxy-Token reaches the container: yes, intact" in text, text
+    lag = float(re.search(r"bucket: the file job 2 wrote was seen by job 1 after ([0-9.]+) s", text).group(1))
+    assert 1.5 < lag < 10, text  # HF_EMU_MOUNT_LAG 2-3 s
+    assert "hf_emulated_token" not in res.stdout + res.stderr  # the token is never printed
+    jobs = [line.split() for line in open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt"))]
+    assert [r for r, _ in jobs] == ["serve", "write"]
+    assert all(wait_stage(env, jid) == "CANCELED" for _, jid in jobs)
