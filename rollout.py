@@ -325,12 +325,14 @@ def pick_engine(choice):
 
 def make_engine(args, lora_rank):
     name, why = pick_engine(args.engine)
-    print(f"[replica-{args.replica_id}] engine: {name} ({why})", flush=True)
     if name == "vllm":
+        print(f"[replica-{args.replica_id}] engine: vllm ({why})", flush=True)  # before its long start
         return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank,
                           max_loras=(args.max_staleness or 0) + 2, seed=args.seed + args.replica_id,
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
-    return HFEngine(args.model, seed=args.seed + args.replica_id)
+    engine = HFEngine(args.model, seed=args.seed + args.replica_id)
+    print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why})", flush=True)
+    return engine
 
 
 # ----------------------------------------------------------------------------- the replica loop

@@ -223,7 +223,7 @@ def test_cli_pushes_groups_to_the_proxy(tiny_model, adapters, proxy_url, tmp_pat
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-2000:]
     print(first + out)
-    assert "engine: hf (asked for with --engine)" in out
+    assert "engine: hf on cpu (asked for with --engine)" in out
     assert "adapter v0 loaded" in out and out.count("] batch ") == 2
     stats = proxy.ProxyClient(proxy_url).stats()
     assert stats["accepted"] == 6 and stats["rejected"] == 0 and "replica-0" in stats["workers"]  # 2 x 3
