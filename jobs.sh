@@ -488,7 +488,7 @@ preflight_hf() {  # two cpu-basic jobs, < 2 minutes: what the platform does, bef
   OPTS=("${opts[@]}" --name "$NAME-serve" --expose 8000 -v "hf://buckets/$BUCKET_ID:/bucket:ro")
   CMD="cd /code && exec python3 scripts/preflight.py serve /bucket/$NAME --seconds 240"
   submit serve "$PROXY_IMAGE"
-  URL=https://$JOB_ID--8000.hf.jobs GATEWAY_TOKEN=$HF_TOKEN
+  URL=https://$JOB_ID--8000.hf.jobs GATEWAY_TOKEN=${GATEWAY_TOKEN:-$HF_TOKEN}   # the token to try
   wait_for_proxy "$JOB_ID" serve
   local reach_s=$((SECONDS - t0))
   OPTS=("${opts[@]}" --name "$NAME-write" -v "hf://buckets/$BUCKET_ID:/bucket")
@@ -496,20 +496,21 @@ preflight_hf() {  # two cpu-basic jobs, < 2 minutes: what the platform does, bef
   submit write "$PROXY_IMAGE"
 
   probe=$(new_token)
-  http_get "$URL/headers" "Authorization: Bearer $HF_TOKEN
+  http_get "$URL/headers" "Authorization: Bearer $GATEWAY_TOKEN
 X-Proxy-Token: $probe" "$RUN/headers.json" || abort_launch "GET $URL/headers failed"
   if http_get "$URL/healthz" "X-Probe: 1"; then verdict="ANSWERED (anyone can reach the port)"
   else verdict="refused"; fi
   local deadline=$((SECONDS + 90)) seen=""
   while [ $SECONDS -lt $deadline ]; do
-    http_get "$URL/bucket" "Authorization: Bearer $HF_TOKEN" "$RUN/bucket.json" &&
+    http_get "$URL/bucket" "Authorization: Bearer $GATEWAY_TOKEN" "$RUN/bucket.json" &&
       grep -q '"seen": true' "$RUN/bucket.json" && { seen=1; break; }
     sleep 2
   done
   banner "preflight verdicts (details in $RUN/)"
-  echo "[preflight] exposed URL reachable with the HF token: yes, $URL/healthz answered" \
+  echo "[preflight] exposed URL reachable with the HF token (GATEWAY_TOKEN if set): yes," \
+       "$URL/healthz answered" \
        "${reach_s}s after the launch; without a token: $verdict"
-  HEADERS_EXPECTED="Bearer $HF_TOKEN" PROBE=$probe "$PYH" - "$RUN/headers.json" <<'PY'
+  HEADERS_EXPECTED="Bearer $GATEWAY_TOKEN" PROBE=$probe "$PYH" - "$RUN/headers.json" <<'PY'
 import hashlib, json, os, sys
 got = json.load(open(sys.argv[1]))
 want = hashlib.sha256(os.environ["HEADERS_EXPECTED"].encode()).hexdigest()[:16]
