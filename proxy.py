@@ -11,7 +11,9 @@ buffer, the trainer's version, the generation quota and the end of the run.
     GET  /healthz   no token
 
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
-out. Fields and status codes: README.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
+out; so is a replica's group beyond what /quota leased it (over_quota). A /batch answer the trainer
+does not acknowledge (?ack=, ProxyClient does) comes back to the buffer. Fields and status codes:
+README.md; hostile peers: docs/hostile-peers.md. ProxyClient (rollout.py, trainer.py) needs `requests`.
 Tokens travel as `X-Proxy-Token: <token>` (Authorization is left to a gateway such as HF Jobs'). A
 replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
 
@@ -22,37 +24,31 @@ replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name (--
 
 import argparse
 import collections
-import errno
 import hashlib
 import hmac
-import io
 import json
 import logging
 import math
 import os
 import re
-import select
 import signal
-import socket
-import socketserver
 import sys
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qsl
+
+import proxy_http  # the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
+from proxy_http import (MAX_POLL_S, RETRY_AFTER_S, ApiError, check, parse_json, parse_query,  # noqa: F401
+                        query_int, query_seconds)
 
 log = logging.getLogger("proxy")
 
-MAX_POLL_S = 300.0      # longest long poll; a longer ?timeout= is cut to this
 MAX_NAME = 256          # characters in a group_id or a worker name
 MAX_COMPLETIONS = 4096  # completions in one group
 MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-RETRY_AFTER_S = 1       # what a 429 or 503 tells a client to wait
-WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered")  # counted in total and per worker
+WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")  # total, per worker
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
           "/batch": "GET", "/version": "POST", "/done": "POST"}
 REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}  # what the replicas' token opens
@@ -71,18 +67,10 @@ class ConfigError(ValueError):
     """A serve() setting that cannot work; the message says what to change."""
 
 
-class ApiError(Exception):
-    """A refused request: HTTP status `code` (400: malformed), a message naming the field or what to do."""
-
-    def __init__(self, message, code=400, headers=None, payload=None):
-        super().__init__(message)
-        self.code, self.headers, self.payload = code, headers or {}, payload or {}
-
-
 # ---- credentials: the trainer's token, the replicas' secret R, a replica's name bound to R -------
 
 def replica_token(secret, worker):
-    """A replica's credential bound to its worker name: `worker:mac`, mac = HMAC-SHA256(R, worker)[:32]."""
+    """A replica's credential bound to its worker name: `worker:mac`, mac = HMAC-SHA256_R(worker)[:32]."""
     return f"{worker}:{hmac.new(secret.encode(), worker.encode(), hashlib.sha256).hexdigest()[:32]}"
 
 
@@ -94,16 +82,12 @@ def replica_worker(secret, got):
     if hmac.compare_digest(got, secret.encode()):
         return ""
     worker = got.rpartition(b":")[0].decode("latin-1")
-    ok = NAME[0](worker) and hmac.compare_digest(got, replica_token(secret, worker).encode("latin-1", "replace"))
+    want = replica_token(secret, worker).encode("latin-1", "replace")
+    ok = NAME[0](worker) and hmac.compare_digest(got, want)
     return worker if ok else None
 
 
 # ---- validation: pure functions, also used by tests/bench_proxy.py ---------------------------
-
-def _check(ok, where, what):
-    if not ok:
-        raise ApiError(f"{where}: {what}")
-
 
 # The JSON schema, one row per field: (test, what the value must be). Any other field is refused, so
 # that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
@@ -124,12 +108,12 @@ COMPLETION = {"ids": TOKEN_IDS, "logprobs": (lambda v: type(v) is list, "a list 
 
 def check_fields(d, where, schema):
     """Raise ApiError naming the first field of the JSON object `d` that `schema` does not allow."""
-    _check(type(d) is dict, where, "must be a JSON object")
+    check(type(d) is dict, where, "must be a JSON object")
     extra = set(d) - set(schema)
-    _check(not extra, where, f"unknown fields {sorted(extra)[:5]} (expected {sorted(schema)})")
+    check(not extra, where, f"unknown fields {sorted(extra)[:5]} (expected {sorted(schema)})")
     for key, (ok, what) in schema.items():
-        _check(key in d, f"{where}.{key}", "missing")
-        _check(ok(d[key]), f"{where}.{key}", f"must be {what}, got {type(d[key]).__name__}")
+        check(key in d, f"{where}.{key}", "missing")
+        check(ok(d[key]), f"{where}.{key}", f"must be {what}, got {type(d[key]).__name__}")
 
 
 def validate_group(g, contract, where="group"):
@@ -137,58 +121,36 @@ def validate_group(g, contract, where="group"):
     check_fields(g, where, GROUP)
     for key in ("temperature", "max_new_tokens"):  # a sampler at another temperature would bias every ratio
         flag = "--" + key.replace("_", "-")
-        _check(g[key] == contract[key], f"{where}.{key}", f"{g[key]}, but this run samples with {key} "
+        check(g[key] == contract[key], f"{where}.{key}", f"{g[key]}, but this run samples with {key} "
                f"{contract[key]} (proxy.py {flag}): start rollout.py without {flag}, it takes the proxy's")
     n, G = len(g["completions"]), contract["num_generations"]
-    _check(n == G, f"{where}.completions", f"{n} completions, but this run has num_generations {G} "
+    check(n == G, f"{where}.completions", f"{n} completions, but this run has num_generations {G} "
            "(proxy.py --num-generations): start rollout.py without --num-generations")
+    n, most = len(g["prompt_ids"]), contract["max_prompt_length"]
+    check(0 < n <= most, f"{where}.prompt_ids", f"{n} ids, but a prompt has 1 to max_prompt_length {most} "
+           "(proxy.py --max-prompt-length)")
+    lo, hi = contract["reward_range"]
     for j, c in enumerate(g["completions"]):
         check_fields(c, w := f"{where}.completions[{j}]", COMPLETION)
         lps, ids = c["logprobs"], c["ids"]
+        check(ids, f"{w}.ids", "empty: a completion has at least one token (the EOS)")
+        check(lo <= c["reward"] <= hi, f"{w}.reward", f"{c['reward']:g} is outside this run's reward_range "
+               f"[{lo:g}, {hi:g}] (proxy.py --reward-range LO HI)")
         bad = next((i for i, x in enumerate(lps) if type(x) not in (int, float) or not MIN_LOGPROB <= x <= 0), None)
         if bad is not None:
             raise ApiError(f"{w}.logprobs[{bad}]: must be a log-prob in [{MIN_LOGPROB:g}, 0], got {str(lps[bad])[:40]}")
-        _check(len(lps) == len(ids), f"{w}.logprobs", f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
-        _check(len(ids) <= g["max_new_tokens"], f"{w}.ids", f"{len(ids)} tokens exceed max_new_tokens {g['max_new_tokens']}")
+        check(len(lps) == len(ids), f"{w}.logprobs", f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
+        check(len(ids) <= g["max_new_tokens"], f"{w}.ids", f"{len(ids)} tokens exceed max_new_tokens {g['max_new_tokens']}")
 
 
 def validate_rollouts(payload, max_groups, contract):
     """The groups of a POST /rollouts body, every one checked before anything is changed."""
     check_fields(payload, "body", {"groups": (lambda v: type(v) is list and v != [], "a non-empty list")})
     groups = payload["groups"]
-    _check(len(groups) <= max_groups, "groups", f"{len(groups)} in one POST exceed --max-groups {max_groups}")
+    check(len(groups) <= max_groups, "groups", f"{len(groups)} in one POST exceed --max-groups {max_groups}")
     for i, g in enumerate(groups):
         validate_group(g, contract, f"groups[{i}]")
     return groups
-
-
-def parse_json(body):
-    """NaN and Infinity parse (as Python's json does) so that validation can name their field."""
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, ints over 4300 digits, deep nesting
-        raise ApiError(f"body: not valid JSON ({str(e)[:120]})") from None
-
-
-def parse_query(query, spec):
-    """The query string as {key: str}: spec's keys only, each once; spec's values are defaults (None: required)."""
-    pairs = parse_qsl(query, keep_blank_values=True)  # http.server caps the request line at 64 KiB
-    q = dict(pairs)
-    _check(set(q) <= set(spec) and len(q) == len(pairs), "query", "expected " + "&".join(f"{k}=.." for k in spec))
-    for key in (k for k, v in spec.items() if v is None and k not in q):
-        raise ApiError(f"{key}: missing")
-    return {**spec, **q}
-
-
-def query_int(q, key, lo, hi):
-    v = q[key]
-    _check(v.isascii() and v.isdigit() and len(v) <= 12 and lo <= int(v) <= hi, key, f"must be an integer in [{lo}, {hi}]")
-    return int(v)
-
-
-def query_seconds(q):  # a long poll's timeout: a plain decimal (no sign, NaN or inf), cut to MAX_POLL_S
-    _check(re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", q["timeout"], re.ASCII), "timeout", "must be seconds >= 0")
-    return min(float(q["timeout"]), MAX_POLL_S)
 
 
 def group_bytes(g):
@@ -203,13 +165,15 @@ def group_bytes(g):
 # The settings every role must share (TRL's names), and their defaults. proxy.py takes them as flags;
 # rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
 CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0, "max_new_tokens": 256,
-            "zero_variance": "keep"}
+            "zero_variance": "keep", "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}
 CONTRACT_HELP = {"num_generations": "completions per prompt, G",
                  "groups_per_step": "groups the trainer takes per optimizer step, B",
                  "max_staleness": "a group of version v is usable while trainer_version - v <= this (0: synchronous)",
                  "temperature": "sampling temperature (the trainer divides its logits by it)",
                  "max_new_tokens": "longest completion (the trainer's max_completion_length)",
-                 "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop (DAPO)"}
+                 "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop (DAPO)",
+                 "max_prompt_length": "longest prompt a group may carry, in tokens (TRL's old GRPOConfig name)",
+                 "reward_range": "LO HI: every reward lies in [LO, HI] (every task here scores 0 or 1)"}
 
 
 class RolloutBuffer:
@@ -218,28 +182,32 @@ class RolloutBuffer:
 
     def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000, lease_timeout=120.0):
         c = self.contract = dict(CONTRACT, **(contract or {}))
+        lo, hi = c["reward_range"] = [float(x) for x in c["reward_range"]]
         works = {"num_generations": c["num_generations"] >= 2, "groups_per_step": c["groups_per_step"] >= 1,
                  "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
-                 "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop")}
+                 "max_new_tokens": c["max_new_tokens"] >= 1, "zero_variance": c["zero_variance"] in ("keep", "drop"),
+                 "max_prompt_length": c["max_prompt_length"] >= 1,
+                 "reward_range": -MAX_ABS < lo < hi < MAX_ABS}
         for key in (k for k, ok in works.items() if not ok):
             raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need num-generations >= 2, "
                               "groups-per-step >= 1, max-staleness >= 0, temperature > 0, max-new-tokens >= 1, "
-                              "zero-variance keep or drop")
+                              "zero-variance keep or drop, max-prompt-length >= 1, reward-range LO < HI")
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.cond = lease_timeout, threading.Condition()
         self.groups, self.nbytes = collections.deque(), 0  # nbytes: group_bytes() of the buffered groups
         self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
         self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance", "refused_full", "returned",
-                                     "rejected", "refused_connections"], 0)
+                                     "rejected", "refused_connections", "closed_idle"], 0)
         self.workers = {}  # worker name -> its own WORKER_COUNTS
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
         self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
         self.done, self.closed, self.started = False, False, time.time()
-        self.leases = {}  # worker -> [groups still to come, expiry]: what /quota handed out (0: asking)
+        self.leases = {}  # worker -> [groups still to come, expiry, version asked with] (0: asking)
         self.told_done, self.last_request = set(), time.monotonic()  # for main(): who heard "done", and when last
         self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
         self.staleness = collections.Counter()  # trainer_version - policy_version of delivered groups
+        self.unconfirmed, self.deliveries = {}, 0  # delivery id -> (groups, version): see take()
 
     def _usable(self, g):
         t = self.trainer_version
@@ -251,8 +219,9 @@ class RolloutBuffer:
             name = g["worker"] if g["worker"] in self.workers or len(self.workers) < MAX_WORKERS else "(other)"
             self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += sign
 
-    def add(self, groups):
-        """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't fit."""
+    def add(self, groups, limited=False):
+        """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't fit.
+        `limited` (a replica's credential): new groups beyond the sender's lease are counted, dropped."""
         if (size := sum(map(group_bytes, groups))) > self.max_bytes:
             raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
                            f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
@@ -261,11 +230,12 @@ class RolloutBuffer:
             if ahead := next((g for g in groups if t is not None and g["policy_version"] > t), None):
                 raise ApiError(f"policy_version {ahead['policy_version']} is ahead of the trainer's version {t}: is "
                                "this replica reading another run's bucket?", 409)  # no adapter of the trainer made it
-            self.counts["received"] += len(groups)
             new, dups, ids = [], [], set()
             for g in groups:  # a group_id seen before, or twice in this POST, is a retry: counted, not kept
                 (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
                 ids.add(g["group_id"])
+            new, over = self._within_leases(new) if limited else (new, [])
+            self.counts["received"] += len(groups)
             fresh, flat = [g for g in new if self._usable(g)], []
             if self.contract["zero_variance"] == "drop":  # equal rewards carry no signal (DAPO's dynamic sampling)
                 varied = [len({c["reward"] for c in g["completions"]}) > 1 for g in fresh]
@@ -277,12 +247,13 @@ class RolloutBuffer:
                 raise ApiError(f"buffer full ({len(self.groups)} groups of --max-groups {self.max_groups}, "
                                f"{self.nbytes / 2**20:.3g} MB of --max-buffer-mb {self.max_bytes / 2**20:.3g}); retry "
                                f"in {RETRY_AFTER_S} s", 429, {"Retry-After": str(RETRY_AFTER_S)})
-            self.seen.update(ids)
+            self.seen.update(g["group_id"] for g in new)
             self.seen_order.extend(g["group_id"] for g in new)
             while len(self.seen_order) > self.remember_ids:
                 self.seen.discard(self.seen_order.popleft())
             self._count("accepted", new)
             self._count("duplicates", dups)
+            self._count("over_quota", over)
             self._count("dropped_stale", [g for g in new if not self._usable(g)])
             self.counts["dropped_zero_variance"] += len(flat)
             for g in (g for g in new if g["worker"] in self.leases):  # a sender's lease shrinks as its groups arrive
@@ -291,28 +262,58 @@ class RolloutBuffer:
             self.nbytes += size
             self.cond.notify_all()
             return {"accepted": len(new), "duplicates": len(dups), "stale": len(new) - len(fresh) - len(flat),
-                    "zero_variance": len(flat), "trainer_version": t}
+                    "zero_variance": len(flat), "over_quota": len(over), "trainer_version": t}
 
-    def take(self, n, timeout, gone=lambda: False):
-        """Up to n usable groups, oldest first, waiting up to `timeout` s for n (no busy wait); none if `gone()`."""
+    def _within_leases(self, new):
+        """(kept, over): a replica's new groups up to what /quota leased to it, in order; the rest are
+        over. A group older than the adapter its worker said it held at /quota is refused (409)."""
+        left, kept, over = {}, [], []
+        for g in new:
+            w, v = g["worker"], g["policy_version"]
+            n, _, held = self.leases.get(w, (0, 0, 0))
+            if v < held:
+                raise ApiError(f"policy_version {v} of group {g['group_id'][:80]!r} is older than v{held}, the "
+                               f"adapter {w[:80]!r} said it held at GET /quota", 409)
+            left[w] = left.get(w, n) - 1
+            (kept if left[w] >= 0 else over).append(g)
+        return kept, over
+
+    def take(self, n, timeout, gone=lambda: False, ack=None):
+        """(groups, version, delivery): up to n usable groups, oldest first, waiting up to `timeout` s
+        for n (no busy wait); none if `gone()`. With `ack` (the last delivery the client read, 0: none),
+        the answer is a delivery held until confirmed: by the next take's ack or by set_version. One
+        not confirmed then was never read (a trainer killed with it unread): back to the buffer."""
         with self.cond:
             if self.trainer_version is None:  # the client answers this by announcing its version again
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy forgets it)", 409,
                                payload={"need_version": True})
+            if ack is not None:
+                self.unconfirmed.pop(ack, None)
+                for d in sorted(self.unconfirmed, reverse=True):  # newest first: the oldest ends in front
+                    self._give_back(*self.unconfirmed.pop(d))
             self.waiting += n  # seen by /stats while wait_for() has released the lock
             self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed, timeout)
             self.waiting -= n
             out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
             self._deliver(out, self.trainer_version)
-            return out, self.trainer_version
+            delivery = None
+            if out and ack is not None:
+                self.deliveries += 1
+                delivery = self.deliveries
+                self.unconfirmed[delivery] = (out, self.trainer_version)
+            return out, self.trainer_version, delivery
 
-    def give_back(self, groups, version):
-        """Groups whose GET /batch answer could not be written (the client went away): back to the front, in order."""
+    def give_back(self, groups, version, delivery=None):
+        """Groups whose GET /batch answer could not be written (the client left): back to the front."""
         with self.cond:
-            self._deliver(groups, version, -1)
-            self.counts["returned"] += len(groups)
-            self.groups.extendleft(reversed(groups))
-            self._drop_stale()  # if the trainer moved on meanwhile
+            self.unconfirmed.pop(delivery, None)
+            self._give_back(groups, version)
+
+    def _give_back(self, groups, version):
+        self._deliver(groups, version, -1)
+        self.counts["returned"] += len(groups)
+        self.groups.extendleft(reversed(groups))
+        self._drop_stale()  # if the trainer moved on meanwhile
 
     def _deliver(self, groups, version, sign=1):  # sign -1: given back
         self.nbytes -= sign * sum(map(group_bytes, groups))
@@ -337,6 +338,7 @@ class RolloutBuffer:
                                "(a trainer resumed from older state, or another run's trainer? restart the proxy)", 409)
             self.taken = self.taken if version == self.trainer_version else 0  # counted per trainer version
             self.trainer_version = version
+            self.unconfirmed.clear()  # the trainer stepped on what it was handed: read, all of it
             self.cond.notify_all()
             return {"dropped": self._drop_stale(), "trainer_version": version}
 
@@ -365,7 +367,7 @@ class RolloutBuffer:
             return 0, "the trainer has not announced itself yet"
         if version < t - S:
             return 0, f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load a newer adapter"
-        others = [n for w, (n, until) in self.leases.items() if w != worker and until > now]
+        others = [n for w, (n, until, _) in self.leases.items() if w != worker and until > now]
         leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
         lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
         if lack <= 0:
@@ -378,8 +380,14 @@ class RolloutBuffer:
     def quota(self, worker, version, most, timeout):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end of the run."""
         with self.cond:
+            if worker not in self.leases and len(self.leases) >= MAX_WORKERS:  # bounded: drop expired ones
+                now = time.monotonic()
+                self.leases = {w: lease for w, lease in self.leases.items() if lease[1] > now}
+                if len(self.leases) >= MAX_WORKERS:
+                    raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one expires "
+                                   "(--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
             t0 = self.trainer_version  # a replica asks again once its last groups are out: its lease ends, but
-            self.leases[worker] = [0, time.monotonic() + timeout + self.lease_timeout]  # it counts as an asker
+            self.leases[worker] = [0, time.monotonic() + timeout + self.lease_timeout, version]  # it asks
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.done or self.closed or self.trainer_version != t0
                                or (t0 is not None and version < t0)  # a newer adapter to load: at once
@@ -389,7 +397,7 @@ class RolloutBuffer:
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
             n, why = self._quota(worker, version, most)
-            self.leases[worker] = [n, time.monotonic() + self.lease_timeout]
+            self.leases[worker] = [n, time.monotonic() + self.lease_timeout, version]
             return {"groups": n, "trainer_version": self.trainer_version, "why": why, "state": self.state()}
 
     def count(self, key):
@@ -404,50 +412,20 @@ class RolloutBuffer:
             now = time.monotonic()
             return {**self.counts, "buffered": len(self.groups), "buffered_mb": round(self.nbytes / 2**20, 1),
                     "waiting": max(0, self.waiting - len(self.groups)),  # groups a blocked trainer still lacks
-                    "leased": {w: n for w, (n, until) in self.leases.items() if until > now and n > 0},
+                    "leased": {w: n for w, (n, until, _) in self.leases.items() if until > now and n > 0},
+                    "unconfirmed": sum(len(gs) for gs, _ in self.unconfirmed.values()),
                     "trainer_version": self.trainer_version, "state": self.state(), "max_groups": self.max_groups,
                     "contract": self.contract, "staleness": {str(k): v for k, v in sorted(self.staleness.items()) if v},
                     "workers": {k: dict(v) for k, v in self.workers.items()}, "uptime_s": round(time.time() - self.started, 1)}
 
 
-# ---- HTTP ------------------------------------------------------------------------------------
+# ---- HTTP: the routes; the hardening a service on the internet needs is in proxy_http.py ----------
 
-class DeadlineReader(socket.SocketIO):
-    """A connection's reads under one deadline per request: it must arrive whole (headers and body) within
-    --request-timeout, however it is trickled (a per-receive timeout lets one byte a second hold a thread)."""
-    deadline, timeout = math.inf, None
-
-    def readinto(self, b):
-        self._sock.settimeout(max(0.001, self.deadline - time.monotonic()))
-        try:
-            return super().readinto(b)
-        finally:
-            self._sock.settimeout(self.timeout)  # writes keep a per-send timeout
-
-
-class ProxyHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive: a replica reuses its connection
-    disable_nagle_algorithm = True  # an answer goes out at once, not after a delayed ACK
-    server_version, sys_version = "proxy.py", ""  # no Python version advertised
-    default_request_version = "HTTP/1.0"  # so that even a garbled request line gets a status line back
-    buffer, token, rollout_token, max_body = None, None, None, 0  # serve() binds one server's own
-
-    def setup(self):
-        super().setup()
-        self.rfile.close()  # http.server's reader, replaced (the socket stays open)
-        self.reader = DeadlineReader(self.connection, "rb")
-        self.reader.timeout, self.rfile = self.timeout, io.BufferedReader(self.reader)
-
-    def handle_one_request(self):  # the deadline covers the wait for the request line too (idle keep-alive)
-        self.reader.deadline = time.monotonic() + self.timeout
-        super().handle_one_request()
-
-    def log_message(self, format, *args):  # quiet: the server logs a summary once a minute
-        pass
+class ProxyHandler(proxy_http.Handler):
+    buffer, token, rollout_token = None, None, None  # serve() binds one server's own
 
     def _serve(self):
         method, (path, _, query) = self.command, self.path.partition("?")
-        self._body_pending = "Content-Length" in self.headers or "Transfer-Encoding" in self.headers
         if self.buffer.closed:  # a kept-alive connection to a closed server: hang up, the client reconnects
             self.close_connection = True
             return
@@ -457,15 +435,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
             payload = self._route(path, query)
         except ApiError as e:
             code, payload, headers = e.code, {"error": str(e), **e.payload}, e.headers
+            self.close_connection |= code in (401, 503)  # no second try on the same connection
         except Exception:
             log.exception("proxy: internal error on %s %s", method, path[:80])
             code, payload = 500, {"error": "internal error (see the proxy's log)"}
         try:
-            self._reply(code, payload, headers)
+            self.reply(code, payload, headers)
         except OSError:  # the client went away: the groups it did not get go back to the buffer
             self.close_connection = True
             if path == "/batch" and code == 200:
-                self.buffer.give_back(payload["groups"], payload["trainer_version"])
+                self.buffer.give_back(payload["groups"], payload["trainer_version"],
+                                      payload.get("delivery"))
 
     do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
 
@@ -480,145 +460,62 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return
         got = self.headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")  # compared in constant time
         trainer = not self.token or hmac.compare_digest(got, self.token.encode())
-        self.bound = None if trainer else replica_worker(self.rollout_token, got)  # "": unbound, else the name
+        self.bound = None if trainer else replica_worker(self.rollout_token, got)  # "": unbound, or a name
         if not trainer and self.bound is None:
-            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's PROXY_TOKEN, or "
-                           "the replicas' ROLLOUT_TOKEN); Authorization is left to a gateway", 401,
+            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's "
+                           "PROXY_TOKEN, or the replicas' ROLLOUT_TOKEN); Authorization is left to a gateway", 401,
                            {"WWW-Authenticate": f'ProxyToken header="{TOKEN_HEADER}"'})
+        self.server.authenticated(self.connection, "trainer" if trainer else "replica")  # 503: too many
         if self.bound is not None and path not in REPLICA_PATHS:
             raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' (--rollout-token, "
                            "ROLLOUT_TOKEN): only the trainer drains /batch, sets the version and ends the run", 403)
         self.buffer.last_request = time.monotonic()  # --linger counts quiet seconds from the last request of the run
 
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own refusals (bad request line, unknown method) as JSON, like ours."""
-        if code == HTTPStatus.NOT_IMPLEMENTED:  # an unknown method is the client's error
-            code, message = 405, f"method {str(self.command)[:20]!r} is not allowed"
-        self.close_connection = True
-        self._reply(code, {"error": message or HTTPStatus(code).phrase})
-
-    def _reply(self, code, payload, headers=None):
-        if 400 <= code < 500 and code != 429:  # a bad request; 429 (full) is one to retry
-            self.buffer.count("rejected")
-        body = json.dumps(payload, separators=(",", ":")).encode()
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
-        if self.close_connection or getattr(self, "_body_pending", False):
-            headers["Connection"] = "close"  # an unread body must not be parsed as a request
-        self.send_response(code)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _read_json(self):
-        lengths = self.headers.get_all("Content-Length") or []
-        if "Transfer-Encoding" in self.headers or not lengths:
-            raise ApiError("Content-Length is required (chunked bodies are not accepted)", 411)
-        n = lengths[0].strip()
-        _check(len(lengths) == 1 and n.isascii() and n.isdigit() and len(n) <= 18, "Content-Length",
-               "must be one non-negative integer")
-        if int(n) > self.max_body:  # refused from the header alone; the connection is then closed
-            raise ApiError(f"body of {n} bytes exceeds --max-body-mb ({self.max_body} bytes): send fewer groups "
-                           "per POST", 413)
-        try:
-            body = self.rfile.read(int(n))
-        except TimeoutError:
-            raise ApiError(f"request not received within --request-timeout {self.timeout:g} s", 408) from None
-        except OSError:
-            raise ApiError("body: the connection broke while it was read") from None
-        _check(len(body) == int(n), "body", f"ended after {len(body)} of the {n} bytes of its Content-Length")
-        self._body_pending = False
-        return parse_json(body)
-
-    def _peer_gone(self):
-        """True when the client hung up while it waited (a trainer killed mid-poll): hand it nothing."""
-        poll = select.poll()
-        poll.register(self.connection, select.POLLIN)
-        try:
-            return bool(poll.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
     def _check_worker(self, worker, where):  # a bound credential speaks for its own worker name only
         if self.bound and worker != self.bound:
-            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker {self.bound!r} "
-                           "(proxy.py --print-replica-token NAME makes one per replica)", 403)
+            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker "
+                           f"{self.bound!r} (proxy.py --print-replica-token NAME makes one per replica)", 403)
 
     def _route(self, path, query):
         b = self.buffer
         if path == "/rollouts":
-            groups = validate_rollouts(self._read_json(), b.max_groups, b.contract)
+            groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
             for i, g in enumerate(groups):
                 self._check_worker(g["worker"], f"groups[{i}].worker")
-            return b.add(groups)
+            return b.add(groups, limited=self.bound is not None)  # a replica's credential: its lease
         if path == "/batch":
-            q = parse_query(query, {"groups": None, "timeout": "0"})
-            groups, version = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q), self._peer_gone)
-            return {"groups": groups, "trainer_version": version}
+            q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
+            ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
+            groups, version, delivery = b.take(query_int(q, "groups", 1, b.max_groups), query_seconds(q),
+                                               self.peer_gone, ack)
+            return {"groups": groups, "trainer_version": version, "delivery": delivery}
         if path == "/quota":
             q = parse_query(query, {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"})
-            _check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
+            check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
             self._check_worker(q["worker"], "worker")
             return b.quota(q["worker"], query_int(q, "version", 0, MAX_INT - 1), query_int(q, "max", 1, MAX_INT - 1),
                            query_seconds(q))
         if path in ("/version", "/done"):
-            body = self._read_json()
+            body = self.read_json()
             check_fields(body, "body", {"version": INDEX} if path == "/version" else {})
             return b.set_version(body["version"]) if path == "/version" else b.finish()
         return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
 
 
-class ProxyServer(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections`; closing it wakes the long polls."""
-    daemon_threads = True
-    block_on_close = False  # long polls and idle keep-alive connections must not hold up server_close()
-    request_queue_size = 1024  # socketserver's 5 drops connections when many replicas (re)connect at once
-    BUSY = json.dumps({"error": "too many connections (--max-connections): retry later"}).encode()
+class ProxyServer(proxy_http.Server):
+    """proxy_http.Server with the run's buffer: closing it wakes the long polls; a log line a minute."""
 
     def __init__(self, address, handler, max_connections=256, log_every=60.0):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.buffer, self.slots = handler.buffer, threading.BoundedSemaphore(max_connections)
+        self.buffer = handler.buffer
         self.log_every, self._last_log, self._logged = log_every, time.monotonic(), self.buffer.stats()
-        super().__init__(address, handler)
+        super().__init__(address, handler, max_connections)
 
-    def server_bind(self):  # HTTPServer's own looks up the host's FQDN, which can stall for seconds
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
-
-    def get_request(self):
-        try:
-            return super().get_request()
-        except OSError as e:  # out of file descriptors, the listening socket stays readable: back off, don't spin
-            if e.errno in (errno.EMFILE, errno.ENFILE):
-                time.sleep(0.1)
-            raise
-
-    def process_request(self, request, client_address):
-        if self.slots.acquire(blocking=False):
-            return super().process_request(request, client_address)
-        self.buffer.count("refused_connections")
-        try:  # answered at once from the accept loop, without waiting on the client
-            request.setblocking(False)
-            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                         b"Retry-After: %d\r\nContent-Length: %d\r\n\r\n%s" % (RETRY_AFTER_S, len(self.BUSY), self.BUSY))
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+    def count(self, key):
+        self.buffer.count(key)
 
     def server_close(self):
         super().server_close()
         self.buffer.close()  # wakes the long polls; a kept-alive connection hangs up at its next request
-
-    def handle_error(self, request, client_address):
-        if not isinstance(sys.exc_info()[1], OSError):  # a client that hangs up is no news
-            log.exception("proxy: error while serving %s", client_address[0])
 
     def service_actions(self):  # serve_forever calls this every 0.2 s: a line per log_every, none when idle
         if time.monotonic() - self._last_log >= self.log_every:
@@ -629,7 +526,15 @@ class ProxyServer(ThreadingHTTPServer):
                 self._logged = s
 
 
-def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=64, token=None,
+def body_limit(c):
+    """The default --max-body-mb, in bytes: one POST of groups_per_step groups at full length, at ~64
+    bytes of JSON a sampled token (a real POST weighs ~33: docs/hostile-peers.md) and 32 a prompt token;
+    2.5 MiB at the default contract, never under 1 MiB."""
+    per_group = c["num_generations"] * c["max_new_tokens"] * 64 + c["max_prompt_length"] * 32
+    return max(2**20, c["groups_per_step"] * per_group)
+
+
+def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None, token=None,
           rollout_token=None, request_timeout=30.0, max_connections=256, lease_timeout=120.0, log_every=60.0,
           **contract):
     """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1]. **contract: CONTRACT's keys"""
@@ -640,12 +545,15 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
     if rollout_token and (rollout_token == token or not token):
         raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token (PROXY_TOKEN): "
                           "the trainer's token opens every endpoint, the replicas' only theirs")
-    if min(max_groups, max_buffer_mb, max_body_mb, request_timeout, max_connections) <= 0 or set(contract) - set(CONTRACT):
+    body_mb = 1 if max_body_mb is None else max_body_mb
+    limits = (max_groups, max_buffer_mb, body_mb, request_timeout, max_connections)
+    if min(limits) <= 0 or set(contract) - set(CONTRACT):
         raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, --max-connections must "
                           f"be > 0; unknown settings {sorted(set(contract) - set(CONTRACT))}")
     buffer = RolloutBuffer(contract, max_groups, int(max_buffer_mb * 2**20), lease_timeout=lease_timeout)
+    max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
     handler = type("BoundProxyHandler", (ProxyHandler,), dict(  # the state of this server, no module globals
-        buffer=buffer, token=token, rollout_token=rollout_token, max_body=int(max_body_mb * 2**20),
+        buffer=buffer, token=token, rollout_token=rollout_token, max_body=max_body,
         timeout=request_timeout))
     server = ProxyServer((host, port), handler, max_connections, log_every)
     thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="proxy", daemon=True)
@@ -663,7 +571,8 @@ class ProxyClient:
     `gateway_token` (default: GATEWAY_TOKEN), sent as `Authorization: Bearer`: for a gateway only."""
     HINTS = {401: " (check the token: PROXY_TOKEN for the trainer, ROLLOUT_TOKEN for replicas when the proxy "
                   "has one)",
-             403: " (a replica's token opens its own endpoints and worker name only: give the trainer PROXY_TOKEN)",
+             403: " (a replica's token opens its own endpoints and worker name only: give the trainer "
+                  "PROXY_TOKEN)",
              404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
              413: " (send fewer groups per POST or raise the proxy's --max-body-mb / --max-buffer-mb)"}
 
@@ -673,9 +582,10 @@ class ProxyClient:
         self._requests, self.url, self.max_wait = requests, url.rstrip("/"), max_wait
         self.session = requests.Session()
         self.version = None  # the last version this client announced: announced again to a restarted proxy
+        self.delivery = 0  # the last GET /batch answer read, acknowledged by the next call (0: none yet)
         if token := token or os.environ.get("PROXY_TOKEN"):
             self.session.headers[TOKEN_HEADER] = token
-        if gateway := gateway_token or os.environ.get("GATEWAY_TOKEN"):  # opens a gateway (HF Jobs) in front
+        if gateway := gateway_token or os.environ.get("GATEWAY_TOKEN"):  # a gateway in front (HF Jobs)
             self.session.headers["Authorization"] = f"Bearer {gateway}"
 
     def contract(self, flags=None, **given):
@@ -699,15 +609,23 @@ class ProxyClient:
         return self._call("GET", "/quota", params=params, wait=timeout)
 
     def get_batch(self, n, timeout=30.0):
+        """Up to n groups; each call acknowledges the answer read before (the proxy gives back one
+        that was never read, e.g. by a trainer killed with it unread)."""
         try:
-            return self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
+            answer = self._batch(n, timeout)
         except ProxyError as e:
             if not (e.answer.get("need_version") and self.version is not None):
                 raise
-        print(f"proxy.py client: {self.url} does not know the trainer's version (restarted?): announcing "
-              f"v{self.version} again", file=sys.stderr, flush=True)
-        self.set_version(self.version)
-        return self._call("GET", "/batch", params={"groups": n, "timeout": timeout}, wait=timeout)
+            print(f"proxy.py client: {self.url} does not know the trainer's version (restarted?): announcing "
+                  f"v{self.version} again", file=sys.stderr, flush=True)
+            self.set_version(self.version)
+            answer = self._batch(n, timeout)
+        self.delivery = answer.get("delivery") or self.delivery
+        return answer
+
+    def _batch(self, n, timeout):
+        params = {"groups": n, "timeout": timeout, "ack": self.delivery}
+        return self._call("GET", "/batch", params=params, wait=timeout)
 
     def set_version(self, version):
         answer = self._call("POST", "/version", {"version": version})
@@ -765,11 +683,14 @@ def main(argv=None):
     a("--host", default="127.0.0.1", help="address to listen on; anything but loopback needs a token")
     a("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     for key, default in CONTRACT.items():  # the run's contract: every role takes it from GET /config
-        a("--" + key.replace("_", "-"), type=type(default), default=default, help=CONTRACT_HELP[key],
-          choices=("keep", "drop") if key == "zero_variance" else None)
+        pair = key == "reward_range"  # LO HI
+        a("--" + key.replace("_", "-"), type=float if pair else type(default), default=default,
+          help=CONTRACT_HELP[key], choices=("keep", "drop") if key == "zero_variance" else None,
+          nargs=2 if pair else None, metavar=("LO", "HI") if pair else None)
     a("--max-groups", type=int, default=4096, help="buffer size in groups (429 when full)")
     a("--max-buffer-mb", type=float, default=1024, help="buffer size in MiB, ~70 bytes a token (429 when full)")
-    a("--max-body-mb", type=float, default=64, help="largest request body in MiB (413 above)")
+    a("--max-body-mb", type=float, help="largest request body in MiB, 413 above (default: groups-per-step "
+      "groups at full length, ~64 bytes a token: 2.5 at the default contract)")
     a("--request-timeout", type=float, default=30.0, help="seconds a whole request may take to arrive")
     a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
     a("--lease-timeout", type=float, default=120.0, help="seconds a replica's quota counts as coming")

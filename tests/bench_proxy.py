@@ -9,6 +9,7 @@ Not collected by pytest (no test_ prefix); FastAPI and uvicorn are benchmark-onl
 
     .venv/bin/python tests/bench_proxy.py                    # ~1 minute
     .venv/bin/python tests/bench_proxy.py --seconds 10 --clients 1 8 32 64
+    .venv/bin/python tests/bench_proxy.py --post-size       # a real POST against --max-body-mb
 """
 
 import argparse
@@ -129,12 +130,35 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
+def post_size():
+    """What a real POST weighs against the default --max-body-mb, and the longest the proxy can spend
+    parsing a body within it (a JSON parse holds the GIL: the other endpoints wait that long)."""
+    import proxy
+
+    c, limit = proxy.CONTRACT, proxy.body_limit(proxy.CONTRACT)
+    B, G, T = c["groups_per_step"], c["num_generations"], c["max_new_tokens"]
+    one = group_template(G, T)
+    groups = json.loads(one)["groups"] * B
+    body = json.dumps({"groups": groups}).encode()  # as ProxyClient sends it
+    print(f"# a POST of {B} groups x {G} x {T} tokens: {len(body) / 2**20:.2f} MiB, "
+          f"{len(body) / (B * G * T):.1f} bytes a sampled token; default --max-body-mb "
+          f"{limit / 2**20:.2f} MiB ({limit} bytes)")
+    worst = b'{"groups": [' + b"[]," * ((limit - 16) // 3) + b"[]]}"
+    for name, data in [("the real POST", body), ("a body of [] lists at the limit", worst)]:
+        t0 = time.perf_counter()
+        proxy.parse_json(data)
+        print(f"# parse of {name} ({len(data) / 2**20:.2f} MiB): {time.perf_counter() - t0:.3f} s")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--post-size", action="store_true", help="only print a real POST's size and parse times")
     p.add_argument("--seconds", type=float, default=6.0, help="load duration per server and concurrency level")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrency levels")
     p.add_argument("--serve-fastapi", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the FastAPI server process
     args = p.parse_args()
+    if args.post_size:
+        return post_size()
     if args.serve_fastapi:
         import uvicorn
 

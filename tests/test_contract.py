@@ -19,6 +19,7 @@ from conftest import ROOT, free_port, wait_port
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PROXY_TOKEN": "t"}
 SETTINGS = {"num_generations": 4, "groups_per_step": 2, "max_staleness": 1, "temperature": 0.7,
             "max_new_tokens": 5, "zero_variance": "keep"}
+SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}  # /config: the defaults of the rest
 
 
 def flags(settings):
@@ -64,10 +65,10 @@ def test_roles_take_the_proxys_settings_refuse_others_and_the_run_ends_by_itself
                                        stderr=subprocess.STDOUT)
         r = subprocess.run(trainer, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        assert f"run settings from the proxy: {SETTINGS}" in r.stdout
+        assert f"run settings from the proxy: {SERVED}" in r.stdout
         assert replica.wait(timeout=60) == 0, "the replica exits 0 once the trainer is done"
         log = (tmp_path / "replica.log").read_text()
-        assert f"run settings from the proxy: {SETTINGS}" in log and "the trainer is done" in log, log[-2000:]
+        assert f"run settings from the proxy: {SERVED}" in log and "the trainer is done" in log, log[-2000:]
         assert proxy.wait(timeout=60) == 0, "the proxy exits once the trainer is done and the replica was told"
         out = proxy.stdout.read()
         assert "every replica was told: exiting" in out, out[-2000:]

@@ -147,7 +147,7 @@ def test_config_serves_the_contract_and_the_client_checks_given_flags(proxy):
     url, _ = proxy(token=TOKEN, groups_per_step=4, max_staleness=0, temperature=0.7, max_new_tokens=64,
                    zero_variance="drop")
     contract = {"num_generations": 2, "groups_per_step": 4, "max_staleness": 0, "temperature": 0.7,
-                "max_new_tokens": 64, "zero_variance": "drop"}
+                "max_new_tokens": 64, "zero_variance": "drop", "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}
     assert requests.get(url + "/config", headers=auth()).json() == contract
     client = ProxyClient(url, token=TOKEN)
     assert client.contract(temperature=None, max_staleness=0) == contract  # None: a flag not given
@@ -167,14 +167,14 @@ def test_post_rollouts_counts_duplicates_and_balances(proxy):
     url, _ = proxy()
     r = post(url, make_group("a"), make_group("b", worker="w1"))
     assert r.status_code == 200
-    assert r.json() == {"accepted": 2, "duplicates": 0, "stale": 0, "zero_variance": 0, "trainer_version": None}
+    assert r.json() == {"accepted": 2, "duplicates": 0, "stale": 0, "zero_variance": 0, "over_quota": 0, "trainer_version": None}
     # a retried POST (same group_ids) plus one new group, plus a group repeated inside one request
     r = post(url, make_group("a"), make_group("c"), make_group("c"))
-    assert r.json() == {"accepted": 1, "duplicates": 2, "stale": 0, "zero_variance": 0, "trainer_version": None}
+    assert r.json() == {"accepted": 1, "duplicates": 2, "stale": 0, "zero_variance": 0, "over_quota": 0, "trainer_version": None}
     s = stats(url)
     assert (s["received"], s["accepted"], s["duplicates"], s["buffered"], s["delivered"]) == (5, 3, 2, 3, 0)
-    assert s["workers"] == {"w0": {"accepted": 2, "duplicates": 2, "dropped_stale": 0, "delivered": 0},
-                            "w1": {"accepted": 1, "duplicates": 0, "dropped_stale": 0, "delivered": 0}}
+    assert s["workers"] == {"w0": {"accepted": 2, "duplicates": 2, "dropped_stale": 0, "delivered": 0, "over_quota": 0},
+                            "w1": {"accepted": 1, "duplicates": 0, "dropped_stale": 0, "delivered": 0, "over_quota": 0}}
     assert requests.post(url + "/version", json={"version": 0}).json() == {"dropped": 0, "trainer_version": 0}
     b = requests.get(url + "/batch?groups=5&timeout=0").json()
     assert [g["group_id"] for g in b["groups"]] == ["a", "b", "c"]  # oldest first, each once
@@ -209,6 +209,12 @@ BAD_GROUPS = [  # (change to a valid group, text the 400 message must contain)
     (lambda g: g["completions"][1].update(finish_reason=None), "groups[1].completions[1].finish_reason"),
     (lambda g: g["completions"].append("oops"), "groups[1].completions: 3 completions, but this run has num_gen"),
     (lambda g: g["completions"].__setitem__(1, "oops"), "groups[1].completions[1]: must be a JSON object"),
+    (lambda g: g.update(prompt_ids=[]), "groups[1].prompt_ids: 0 ids, but a prompt has 1 to max_prompt_length"),
+    (lambda g: g.update(prompt_ids=[5] * 1025), "prompt_ids: 1025 ids, but a prompt has 1 to max_prompt_length 1024"),
+    (lambda g: g["completions"][1].update(ids=[], logprobs=[]), "groups[1].completions[1].ids: empty"),
+    (lambda g: g["completions"][1].update(reward=1e20), "completions[1].reward: 1e+20 is outside this run's "
+                                                        "reward_range [0, 1] (proxy.py --reward-range LO HI)"),
+    (lambda g: g["completions"][0].update(reward=-0.5), "groups[1].completions[0].reward: -0.5 is outside"),
     (lambda g: g.update(answer="7"), "groups[1]: unknown fields ['answer']"),
     (lambda g: g["completions"][0].update(extra=float("nan")), "groups[1].completions[0]: unknown fields ['extra']"),
 ]
@@ -253,6 +259,21 @@ def test_other_sampling_settings_are_refused_naming_both_values(proxy):
     assert stats(url)["received"] == 1
 
 
+def test_the_prompt_length_and_reward_range_come_from_the_contract(proxy):
+    url, _ = proxy(max_prompt_length=3, reward_range=(-1, 2))
+    config = requests.get(url + "/config").json()
+    assert (config["max_prompt_length"], config["reward_range"]) == (3, [-1.0, 2.0])
+    assert post(url, make_group("ok", rewards=[-1, 2])).json()["accepted"] == 1  # the ends are inside
+    for group, expected in [(make_group("long", prompt_ids=[5, 6, 7, 8]), "4 ids, but a prompt has 1 to "
+                                                                          "max_prompt_length 3"),
+                            (make_group("hi", rewards=[0, 2.5]), "2.5 is outside this run's reward_range [-1, 2]")]:
+        r = post(url, group)
+        assert r.status_code == 400 and expected in r.json()["error"], r.text
+    for bad in [{"reward_range": (1, 1)}, {"reward_range": (0, float("inf"))}, {"max_prompt_length": 0}]:
+        with pytest.raises(ConfigError, match="--" + next(iter(bad)).replace("_", "-")):
+            serve(**bad)
+
+
 def test_body_limits_411_413_408_and_truncated(proxy):
     url, server = proxy(max_body_mb=0.01, request_timeout=1.0)  # 10 KiB
     port = server.server_address[1]
@@ -282,7 +303,7 @@ def test_429_when_full_keeps_nothing(proxy):
     assert (s["accepted"], s["buffered"], s["refused_full"], s["received"], s["rejected"]) == (2, 2, 2, 4, 0)
     assert send("a", "b").json()["duplicates"] == 2  # a retry of what is already in: fine even when full
     assert send("a", "c").json() == {"accepted": 1, "duplicates": 1, "stale": 0, "zero_variance": 0,
-                                     "trainer_version": None}
+                                     "over_quota": 0, "trainer_version": None}
     assert send("d").status_code == 429
     assert send(*"efgh").status_code == 400  # more than --max-groups in one POST could never fit
     requests.post(url + "/version", json={"version": 0})
@@ -380,7 +401,7 @@ def test_version_drops_stale_groups_and_refuses_going_back(proxy):
     assert r.status_code == 409 and "lower" in r.json()["error"]
     assert requests.post(url + "/version", json={"version": 2}).json()["dropped"] == 0  # a retry is harmless
     assert post(url, make_group("late", 0)).json() == {"accepted": 1, "duplicates": 0, "stale": 1, "zero_variance": 0,
-                                                       "trainer_version": 2}
+                                                       "over_quota": 0, "trainer_version": 2}
     b = requests.get(url + "/batch?groups=10").json()
     assert [g["group_id"] for g in b["groups"]] == ["v1", "v2"] and b["trainer_version"] == 2
     s = stats(url)
@@ -587,6 +608,50 @@ def test_cli_prints_a_replica_token_bound_to_a_worker():
     assert out.returncode != 0 and "--print-replica-token needs ROLLOUT_TOKEN" in out.stderr
 
 
+def test_the_quota_is_enforced_a_flood_cannot_fill_the_trainers_batch(proxy):
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=1, groups_per_step=4)
+    trainer = ProxyClient(url, token=TOKEN)
+    honest = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "honest"))
+    flooder = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "flood"))
+    trainer.set_version(0)
+    r = flooder.post_rollouts(groups_for("flood", 0, 50, "unasked"))  # never asked /quota
+    assert (r["accepted"], r["over_quota"]) == (0, 50)
+    assert honest.quota("honest", 0, 100, timeout=0)["groups"] == 4  # the flood took nothing from it
+    n = flooder.quota("flood", 0, 100, timeout=0)["groups"]  # asks, then sends three times its lease
+    assert n > 0
+    r = flooder.post_rollouts(groups_for("flood", 0, 3 * n + 1, "asked"))
+    assert (r["accepted"], r["over_quota"]) == (n, 2 * n + 1)
+    assert honest.post_rollouts(groups_for("honest", 0, 4, "h"))["accepted"] == 4
+    batch = trainer.get_batch(4 + n, timeout=0)["groups"]
+    assert sorted(g["worker"] for g in batch) == ["flood"] * n + ["honest"] * 4
+    s = trainer.stats()
+    assert (s["over_quota"], s["workers"]["flood"]["over_quota"], s["accepted"]) == (51 + 2 * n, 51 + 2 * n, 4 + n)
+    assert identity_holds(s)
+    # a group older than the adapter its replica said it held is refused; the trainer's token is not limited
+    trainer.set_version(1)
+    assert honest.quota("honest", 1, 100, timeout=0)["groups"] > 0
+    with pytest.raises(ProxyError, match=r"HTTP 409: policy_version 0 of group .* older than v1, the adapter "
+                                         "'honest' said it held at GET /quota"):
+        honest.post_rollouts(groups_for("honest", 0, 1, "old"))
+    assert trainer.post_rollouts(groups_for("anyone", 1, 9, "t"))["accepted"] == 9
+
+
+def test_the_leases_table_is_bounded(proxy, monkeypatch):
+    import proxy as proxy_module
+
+    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 8)
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, lease_timeout=1.0)
+    ProxyClient(url, token=TOKEN).set_version(0)
+    shared = ProxyClient(url, token=REPLICA_TOKEN, max_wait=0)  # the shared secret: any name
+    for i in range(8):
+        shared.quota(f"fake-{i}", 0, 1, timeout=0)
+    r = requests.get(url + "/quota?worker=one-more&version=0", headers=auth(REPLICA_TOKEN))
+    assert r.status_code == 429 and "8 other names hold leases" in r.json()["error"]
+    assert shared.quota("fake-3", 0, 1, timeout=0)["state"] == "running"  # a name in the table may ask again
+    time.sleep(1.2)  # the fakes' leases expire: their names are dropped for a new one
+    assert ProxyClient(url, token=REPLICA_TOKEN).quota("one-more", 0, 1, timeout=0)["state"] == "running"
+
+
 def test_one_token_serves_every_role_when_there_is_no_replicas_token(proxy):
     url, _ = proxy(token=TOKEN)
     client = ProxyClient(url, token=TOKEN)
@@ -639,6 +704,31 @@ def test_a_batch_whose_answer_cannot_be_written_goes_back_to_the_buffer_in_order
     assert (st["delivered"], st["buffered"], st["buffered_mb"]) == (8, 0, 0.0) and identity_holds(st)
 
 
+def test_a_batch_the_trainer_never_acknowledged_comes_back_to_the_next_one(proxy):
+    url, server = proxy()
+    post(url, *[make_group(f"g{i}") for i in range(5)])
+    ProxyClient(url).set_version(0)
+    with socket.create_connection(("127.0.0.1", server.server_address[1])) as s:  # a trainer's client...
+        s.sendall(b"GET /batch?groups=3&ack=0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")  # ... read it, and was killed before it used it
+    assert status.startswith(b"HTTP/1.1 200") and json.loads(body)["delivery"] == 1
+    assert stats(url)["unconfirmed"] == 3
+    restarted = ProxyClient(url)  # acknowledges nothing (ack=0): the unacknowledged 3 come back first
+    first = restarted.get_batch(2, timeout=0)["groups"]
+    assert [g["group_id"] for g in first] == ["g0", "g1"]
+    second = restarted.get_batch(3, timeout=0)["groups"]  # this call acknowledges the first answer
+    assert [g["group_id"] for g in second] == ["g2", "g3", "g4"]
+    s = stats(url)
+    assert (s["returned"], s["delivered"], s["unconfirmed"], s["buffered"]) == (3, 5, 3, 0) and identity_holds(s)
+    restarted.set_version(1)  # a step was made from them: all read
+    s = stats(url)
+    assert (s["unconfirmed"], s["delivered"], s["returned"]) == (0, 5, 3) and identity_holds(s)
+    assert requests.get(url + "/batch?groups=1&ack=x").status_code == 400
+
+
 def test_a_request_trickled_byte_by_byte_is_cut_off_at_the_deadline(proxy):
     url, server = proxy(request_timeout=1.0)
     closed_after = None
@@ -664,8 +754,8 @@ def test_connections_over_the_cap_get_503_at_once(proxy):
     url, server = proxy(max_connections=2)
     port = server.server_address[1]
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-    for s in held:  # both served: each holds a keep-alive connection, so a slot
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    for s in held:  # both served (no token here: authenticated): each holds a keep-alive connection, a slot
+        s.sendall(b"GET /config HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # sends nothing, yet is answered
         answer = b""
@@ -676,6 +766,79 @@ def test_connections_over_the_cap_get_503_at_once(proxy):
     until(lambda: healthy(url))
     held[0].close()
     assert stats(url)["refused_connections"] >= 1
+
+
+def test_idle_unauthenticated_sockets_cannot_starve_the_trainer(proxy, capsys):
+    for cap, idle in [(16, 40), (256, 400)]:  # a small cap, and the default one
+        url, server = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_connections=cap)
+        port = server.server_address[1]
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(idle)]  # never send a byte
+        try:
+            time.sleep(0.5)
+            t0 = time.time()
+            trainer = ProxyClient(url, token=TOKEN, max_wait=5)
+            trainer.set_version(0)
+            assert trainer.get_batch(1, timeout=0)["groups"] == [] and time.time() - t0 < 3
+            replica = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r0"), max_wait=5)
+            assert replica.stats()["closed_idle"] >= idle - cap
+        finally:
+            for s in socks:
+                s.close()
+    assert "retrying" not in capsys.readouterr().err  # no 503 on the way
+
+
+def test_replica_connections_leave_a_reserve_for_the_trainer(proxy):
+    url, server = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_connections=16)  # reserve: 16 // 8
+    port, cred = server.server_address[1], replica_token(REPLICA_TOKEN, "r0")
+    request = f"GET /config HTTP/1.1\r\nHost: x\r\nX-Proxy-Token: {cred}\r\n\r\n".encode()
+    held = []
+    for _ in range(15):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(request)
+        held.append((s, s.recv(4096)))
+    codes = [answer.split()[1] for _, answer in held]
+    assert codes == [b"200"] * 14 + [b"503"], codes  # the 15th replica connection: over the replicas' share
+    assert b"a reserve for the trainer" in held[-1][1] + held[-1][0].recv(4096)
+    assert ProxyClient(url, token=TOKEN, max_wait=0).stats()["state"] == "waiting"  # the trainer gets in
+    for s, _ in held:
+        s.close()
+
+
+def test_a_big_body_is_refused_from_its_header_and_freezes_nothing(proxy):
+    url, server = proxy(token=TOKEN, num_generations=8)
+    port, limit = server.server_address[1], 16 * (8 * 256 * 64 + 1024 * 32)  # the default contract's: 2.5 MiB
+    slow = []
+
+    def send(size, trickle):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /rollouts HTTP/1.1\r\nX-Proxy-Token: %s\r\nContent-Length: %d\r\n\r\n"
+                      % (TOKEN.encode(), size))
+            try:
+                body = b'{"groups": [' + b"[]," * ((size - 16) // 3) + b"[]"  # valid JSON: parsed whole
+                body += b" " * (size - len(body) - 2) + b"]}"
+                for i in range(0, size, 2**20):  # a MiB at a time
+                    s.sendall(body[i:i + 2**20])
+                    time.sleep(trickle)
+                slow.append(s.recv(200).split(b" ")[1])
+            except OSError:  # refused from the header: the proxy hung up while the body still came
+                slow.append(b"closed")
+
+    senders = [threading.Thread(target=send, args=(48 * 2**20, 0.0)),
+               threading.Thread(target=send, args=(limit - 10, 0.5))]
+    for th in senders:
+        th.start()
+    latencies = []
+    while any(th.is_alive() for th in senders):
+        t0 = time.time()
+        assert requests.get(url + "/healthz", timeout=10).status_code == 200
+        assert stats(url, headers=auth(), timeout=10)["state"] == "waiting"
+        latencies.append(time.time() - t0)
+        time.sleep(0.05)
+    assert len(latencies) > 5 and max(latencies) < 1.5, latencies
+    big = raw_request(port, b"POST /rollouts HTTP/1.1\r\nX-Proxy-Token: %s\r\nContent-Length: %d\r\n\r\n"
+                      % (TOKEN.encode(), 48 * 2**20))
+    assert big[0] == 413 and b"--max-body-mb 2.5 (2621440 bytes)" in big[2] and b"raise proxy.py --max-body-mb" in big[2]
+    assert sorted(slow) in ([b"400", b"413"], [b"400", b"closed"]), slow  # the trickled one: parsed, refused
 
 
 def cpu_seconds(pid):

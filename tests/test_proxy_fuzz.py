@@ -11,7 +11,7 @@ import random
 
 import requests
 
-from proxy import MAX_COMPLETIONS, ProxyClient, serve
+from proxy import MAX_COMPLETIONS, ProxyClient, replica_token, serve
 from test_proxy import healthy, make_group, raw_request
 
 TOKEN = "fuzz-token"
@@ -23,7 +23,7 @@ BAD_INT = [None, -1, -(2**40), 1.5, "1", True, [], {}, 2**31, 2**80, NAN, INF, -
 BAD_IDS = [None, "abc", 5, {}, [1, "a"], [1.5], [-1], [2**31], [True], [None], [NAN], [[1]]]
 BAD_LOGPROBS = [None, "x", 5, {}, [NAN], [INF], [-INF], ["x"], [True], [1e31], [None], [[-0.1]], [0.5], [1e-300],
                 [-1e29], [-1000.5]]
-BAD_NUMBER = [None, "1", True, [], {}, NAN, INF, -INF, 1e40, -(10**40)]
+BAD_NUMBER = [None, "1", True, [], {}, NAN, INF, -INF, 1e40, -(10**40), 1e20, -0.5, 1.0001, 2]  # range: [0, 1]
 BAD_BODIES = [b"", b"{", b"}", b"[", b"null", b"1", b'"groups"', b"[]", b"{}", b'{"groups": null}',
               b'{"groups": {}}', b'{"groups": []}', b'{"groups": "all"}', b'{"groups": [null]}', b'{"groups": [1]}',
               b'{"groups": [[]]}', b'{"groups": [NaN]}', b'{"groups": [Infinity]}', b'{"groups": -Infinity}',
@@ -43,10 +43,12 @@ def mutated_group(rnd):
         g["prompt"] = rnd.choice(BAD_STRING) if rnd.random() < 0.3 else g["prompt"]
     elif kind == 1:
         g["policy_version"] = rnd.choice(BAD_INT)
-    elif kind == 2:
-        g["prompt_ids"] = rnd.choice(BAD_IDS)
+    elif kind == 2:  # or empty, or longer than max_prompt_length (1024)
+        g["prompt_ids"] = rnd.choice(BAD_IDS + [[], [5] * 1025])
     elif kind == 3:
-        if rnd.random() < 0.5:
+        if rnd.random() < 0.1:
+            c["ids"], c["logprobs"] = [], []  # a completion without a token
+        elif rnd.random() < 0.5:
             c["ids"] = copy.deepcopy(rnd.choice(BAD_IDS))
         else:
             c["logprobs"] = copy.deepcopy(rnd.choice(BAD_LOGPROBS))
@@ -99,7 +101,9 @@ def hostile_request(rnd, valid_body):
         body = {"groups": [make_group(f"many-{i}") for i in range(MAX_GROUPS + 1)]}
         return http("POST", "/rollouts", json.dumps(body).encode() if rnd.random() < 0.5 else rnd.randbytes(300)), False
     if kind == 5:  # no token, a wrong one, another scheme: with a perfectly valid request
-        token = rnd.choice([None, "", "fuzz-toke", TOKEN + "n", TOKEN.upper(), "x" * 5000, REPLICA_TOKEN + " "])
+        bound = replica_token(REPLICA_TOKEN, "w")
+        token = rnd.choice([None, "", "fuzz-toke", TOKEN + "n", TOKEN.upper(), "x" * 5000, REPLICA_TOKEN + " ",
+                            bound[:-1] + ("1" if bound[-1] == "0" else "0"), "v" + bound[1:], replica_token(TOKEN, "w"), bound + ":"])
         method, path, body = rnd.choice([("POST", "/rollouts", valid_body), ("GET", "/stats", None),
                                          ("GET", "/batch?groups=1&timeout=0", None), ("GET", "/config", None),
                                          ("GET", "/quota?worker=w&version=1", None), ("POST", "/done", b"{}"),
@@ -109,6 +113,10 @@ def hostile_request(rnd, valid_body):
             method, path, body = rnd.choice([("GET", "/batch?groups=1&timeout=0", None), ("POST", "/done", b"{}"),
                                              ("POST", "/version", b'{"version": 2147483647}')])
             token = REPLICA_TOKEN
+        if rnd.random() < 0.2:  # a credential bound to worker "w", speaking for "w0": 403
+            method, path, body = rnd.choice([("POST", "/rollouts", valid_body), ("GET", "/quota?worker=w0&version=1",
+                                                                                    None)])
+            token = replica_token(REPLICA_TOKEN, "w")
         return http(method, path, body, token=token, headers=extra), False
     if kind == 6:  # wrong methods, on every path
         method = rnd.choice(["PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "FOO", "get", "HEAD"])
@@ -131,7 +139,8 @@ def hostile_request(rnd, valid_body):
         q = rnd.choice(["", "groups=0", "groups=-1", "groups=abc", "groups=1e3", f"groups={MAX_GROUPS + 1}",
                         "groups=", "groups=99999999999999999999", "groups=1&timeout=nan", "groups=1&timeout=inf",
                         "groups=1&timeout=-1", "groups=1&timeout=x", "groups=1&evil=1", "groups=1&groups=2",
-                        "groups=1&" + "&".join(f"k{i}=1" for i in range(20)), "groups=%FF", "timeout=1"])
+                        "groups=1&" + "&".join(f"k{i}=1" for i in range(20)), "groups=%FF", "timeout=1",
+                        "groups=1&ack=-1", "groups=1&ack=x", "groups=1&ack=1e3", "groups=1&ack=1&ack=2"])
         return http("GET", "/batch?" + q, None), False
     if kind == 9 and rnd.random() < 0.3:  # POST /done with a body that is not {}
         return http("POST", "/done", rnd.choice([b'{"now": true}', b"[]", b"null", b"", b"{", b'{"done": 1}'])), False
