@@ -170,7 +170,7 @@ new_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \n'; }
 host_python() {  # sets PYH: a python3 on this machine (.venv's when there is one)
   if [ -x "$ROOT/.venv/bin/python" ]; then PYH=$ROOT/.venv/bin/python
   elif command -v python3 >/dev/null; then PYH=python3
-  else die "python3 is missing on this machine (jobs.sh runs proxy.py here to make the replicas' tokens)"; fi
+  else die "python3 is missing here (jobs.sh runs proxy.py to make the replicas' tokens)"; fi
 }
 http_get() {  # URL HEADERS [OUT] — status 0 on a 2xx answer. HEADERS ("Name: value" lines) go on
   # stdin, never on a command line (readable by every user in /proc). curl, else python3.
@@ -188,8 +188,9 @@ save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; q
   http_get "$1/stats" "X-Proxy-Token: $PROXY_TOKEN" "$RUN/stats.json.part" &&
     mv "$RUN/stats.json.part" "$RUN/stats.json" || true
 }
-replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one worker name (proxy.py)
-  "$PYH" "$ROOT/proxy.py" --print-replica-token "$1" || die "proxy.py --print-replica-token $1 failed"
+replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one worker name
+  "$PYH" "$ROOT/proxy.py" --print-replica-token "$1" ||
+    die "proxy.py --print-replica-token $1 failed"
 }
 
 run_local() {
@@ -204,7 +205,8 @@ run_local() {
   # Another run's proxy may already answer on this port; this run must not attach to it.
   ! "$PYH" -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 3)' \
     "$PROXY_PORT" 2>/dev/null ||
-    die "something already listens on 127.0.0.1:$PROXY_PORT (another run's proxy?): set PROXY_PORT to a free port"
+    die "something already listens on 127.0.0.1:$PROXY_PORT (another run's proxy?):" \
+        "set PROXY_PORT to a free port"
   banner "setup (.venv; nothing is installed when it is already there)"
   bash setup.sh
   mkdir -p "$RUN"
@@ -234,7 +236,7 @@ $(tail -5 "$RUN/proxy.log")"
   local train_t0=$SECONDS
   trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start trainer env -u ROLLOUT_TOKEN "$PY" "${ARGS[@]}"
   local trainer_pid=$LAST_PID i secret=$ROLLOUT_TOKEN
-  for ((i = 0; i < REPLICAS; i++)); do  # the token travels in the environment, not on a command line
+  for ((i = 0; i < REPLICAS; i++)); do  # tokens travel in the environment, never on a command line
     rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; ROLLOUT_TOKEN=$(replica_token "replica-$i")
     start "rollout-$i" env -u PROXY_TOKEN "$PY" "${ARGS[@]}"; ROLLOUT_TOKEN=$secret
   done
@@ -297,7 +299,7 @@ job_opts() {  # ROLE FLAVOR — sets OPTS, the `hf jobs run` options of one job,
   case $1 in
     proxy)     SECRETS="PROXY_TOKEN ROLLOUT_TOKEN" ;;   # the trainer's token, the replicas' secret
     rollout-*) SECRETS="ROLLOUT_TOKEN GATEWAY_TOKEN" ;;  # its own bound credential; the gateway's
-    trainer)   SECRETS="PROXY_TOKEN TRAINER_STATE_KEY GATEWAY_TOKEN HF_TOKEN" ;;  # HF_TOKEN: gated models
+    trainer)   SECRETS="PROXY_TOKEN TRAINER_STATE_KEY GATEWAY_TOKEN HF_TOKEN" ;;  # bucket, models
   esac
   case $1 in
     proxy) OPTS+=(--expose 8000) ;;
@@ -315,9 +317,10 @@ job_opts() {  # ROLE FLAVOR — sets OPTS, the `hf jobs run` options of one job,
 job_env() {  # ROLE — in submit's subshell, before `hf jobs run`: the values behind its --secrets
   case $1 in
     rollout-*)
-      ROLLOUT_TOKEN=$(replica_token "replica-${1#rollout-}")   # rollout.py's worker name
+      ROLLOUT_TOKEN=$(replica_token "replica-${1#rollout-}") || return 1   # rollout.py's worker
       if [ -n "${ROLLOUT_AWS_ACCESS_KEY_ID:-}" ]; then   # read-only keys for the replicas
-        AWS_ACCESS_KEY_ID=$ROLLOUT_AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY=$ROLLOUT_AWS_SECRET_ACCESS_KEY
+        AWS_ACCESS_KEY_ID=$ROLLOUT_AWS_ACCESS_KEY_ID
+        AWS_SECRET_ACCESS_KEY=$ROLLOUT_AWS_SECRET_ACCESS_KEY
       fi ;;
   esac
 }
@@ -326,9 +329,9 @@ job_command() {  # ROLE — sets CMD, the job's `bash -c` text: ARGS run by pyth
   # The vLLM image has torch, transformers and vLLM; add the rest of requirements.txt (not torch,
   # not gguf) at its versions. The proxy's image needs nothing: it runs on the standard library.
   local deps='$(grep -E "^[a-z]" /code/requirements.txt | grep -vE "^(torch|gguf)==" | cut -d" " -f1)'
-  if [ "$1" != proxy ]; then CMD="python3 -m pip install -q --disable-pip-version-check $deps && $CMD"; fi
+  [ "$1" = proxy ] || CMD="python3 -m pip install -q --disable-pip-version-check $deps && $CMD"
 }
-submit() {  # ROLE IMAGE — `hf jobs run` OPTS -- IMAGE bash -c CMD; sets JOB_ID and records it at once
+submit() {  # ROLE IMAGE — `hf jobs run` OPTS -- IMAGE bash -c CMD; sets and records JOB_ID
   local role=$1 image=$2 out
   if [ -n "${DRY_RUN:-}" ]; then
     echo "${HF[*]} jobs run $(q "${OPTS[@]}")-- $(q "$image")bash -c $(sq "$CMD")" >&2
@@ -336,7 +339,8 @@ submit() {  # ROLE IMAGE — `hf jobs run` OPTS -- IMAGE bash -c CMD; sets JOB_I
     JOB_ID="<$role-job-id>"; return
   fi
   # `--` before the image: the CLI never reads the job's command as its own options
-  out=$(job_env "$role" && "${HF[@]}" jobs run "${OPTS[@]}" -- "$image" bash -c "$CMD" 2>&1 </dev/null) ||
+  out=$(job_env "$role" &&
+        "${HF[@]}" jobs run "${OPTS[@]}" -- "$image" bash -c "$CMD" 2>&1 </dev/null) ||
     abort_launch "'hf jobs run' failed for the $role job:
 $out"
   # "id: <24 hex>" (huggingface_hub >= 1.17), "id=<24 hex>" (agent format), "Job started with ID: ..."
@@ -363,7 +367,7 @@ run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY: random, made o
   fi
   for k in PROXY_TOKEN ROLLOUT_TOKEN TRAINER_STATE_KEY; do
     v=$(sed -n "s/^$k=//p" "$f" | head -1)
-    case $v in ""|*[!0-9a-f]*) die "$f has no '$k=<hex>' line: delete the file to make new tokens" ;; esac
+    case $v in ""|*[!0-9a-f]*) die "$f has no '$k=<hex>' line: delete it for new tokens" ;; esac
     eval "$k=\$v"; export "$k"
   done
   # GATEWAY_TOKEN opens the *.hf.jobs gateway in front of the proxy (Authorization: Bearer).
@@ -377,7 +381,7 @@ run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY: random, made o
     echo "[jobs] warning: the replicas get the trainer's AWS keys (they can write the bucket):" \
          "set ROLLOUT_AWS_ACCESS_KEY_ID and ROLLOUT_AWS_SECRET_ACCESS_KEY to read-only keys" ;; esac
 }
-proxy_info() {  # ID — prints "STAGE URL" from `hf jobs inspect --format json` (URL: its exposed port)
+proxy_info() {  # ID — prints "STAGE URL" from `hf jobs inspect --format json` (its exposed URL)
   "${HF[@]}" jobs inspect --format json "$1" 2>/dev/null </dev/null | "$PYH" -c 'import json, sys
 try:
     d = json.load(sys.stdin); d = d[0] if isinstance(d, list) else d; s = d.get("status") or {}
@@ -385,15 +389,17 @@ try:
 except ValueError:
     print("?")' 2>/dev/null || echo "?"
 }
-wait_for_proxy() {  # ID [ROLE] — until the job is RUNNING and its /healthz answers through the gateway;
+wait_for_proxy() {  # ID [ROLE] — until the job is RUNNING and answers /healthz through the gateway;
   # sets URL (the exposed URL `hf jobs inspect` shows, else the one built from the id). On a
   # timeout or an ended job: a clear message, and every job of this launch cancelled.
   local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy}
-  echo "[jobs] waiting for the $role job: RUNNING, then GET $URL/healthz (up to ${STARTUP_TIMEOUT}s)"
+  echo "[jobs] waiting for the $role job: RUNNING, then GET $URL/healthz" \
+       "(up to ${STARTUP_TIMEOUT}s)"
   while :; do
     read -r stage public <<<"$(proxy_info "$1") "
     case $stage in ERROR|CANCELED|CANCELLED|COMPLETED|DELETED)
-      abort_launch "the $role job $1 ended ($stage) before it answered: see '${HF[*]} jobs logs $1'" ;; esac
+      abort_launch "the $role job $1 ended ($stage) before it answered:" \
+        "see '${HF[*]} jobs logs $1'" ;; esac
     if [ "$stage" = RUNNING ]; then
       [ -z "$public" ] || URL=$public
       if http_get "$URL/healthz" "Authorization: Bearer $GATEWAY_TOKEN"; then
@@ -447,7 +453,8 @@ launch_hf() {
   submit proxy "$PROXY_IMAGE"
   URL=https://$JOB_ID--8000.hf.jobs
   if [ -n "${DRY_RUN:-}" ]; then
-    echo "[jobs] then: wait for RUNNING and GET $URL/healthz (Authorization: Bearer \$GATEWAY_TOKEN)" >&2
+    echo "[jobs] then: wait for RUNNING and GET $URL/healthz" \
+         "(Authorization: Bearer \$GATEWAY_TOKEN)" >&2
   else wait_for_proxy "$JOB_ID"; fi
   local i tid
   for ((i = 0; i < REPLICAS; i++)); do
@@ -470,7 +477,8 @@ EOT
 }
 
 preflight_hf() {  # two cpu-basic jobs, < 2 minutes: what the platform does, before paying for GPUs
-  case ${BUCKET:-} in ""|s3://*) die "preflight checks a Storage Bucket mount: set BUCKET=user/name" ;; esac
+  case ${BUCKET:-} in
+    ""|s3://*) die "preflight checks a Storage Bucket mount: set BUCKET=user/name" ;; esac
   [ -z "${DRY_RUN:-}" ] || die "preflight launches two small jobs: run it without DRY_RUN"
   hf_cli
   local PYH t0=$SECONDS probe out verdict; host_python
@@ -480,10 +488,12 @@ preflight_hf() {  # two cpu-basic jobs, < 2 minutes: what the platform does, bef
     die "could not create the bucket $BUCKET_ID: $out"
   mkdir -p "$RUN"; echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
   rm -rf "$RUN/code"; mkdir -p "$RUN/code"
-  git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code" || die "could not copy the code to $RUN/code"
+  git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code" ||
+    die "could not copy the code to $RUN/code"
   trap 'abort_launch "interrupted"' INT TERM
   banner "preflight $NAME: job 1 serves port 8000 and reads the bucket, job 2 writes it"
-  local opts=(--detach --flavor cpu-basic --timeout 5m -e PYTHONUNBUFFERED=1 -v "$ROOT/$RUN/code:/code")
+  local opts=(--detach --flavor cpu-basic --timeout 5m -e PYTHONUNBUFFERED=1
+              -v "$ROOT/$RUN/code:/code")
   SECRETS=""
   OPTS=("${opts[@]}" --name "$NAME-serve" --expose 8000 -v "hf://buckets/$BUCKET_ID:/bucket:ro")
   CMD="cd /code && exec python3 scripts/preflight.py serve /bucket/$NAME --seconds 240"
@@ -515,13 +525,14 @@ import hashlib, json, os, sys
 got = json.load(open(sys.argv[1]))
 want = hashlib.sha256(os.environ["HEADERS_EXPECTED"].encode()).hexdigest()[:16]
 auth = got["authorization_sha256"]
-print("[preflight] Authorization reaches the container:", "no: the gateway removes it (the HF token "
-      "stays out of the jobs)" if auth is None else "yes, intact: the job's code can read the HF token "
-      "of whoever calls it (give callers a narrow GATEWAY_TOKEN)" if auth == want else "yes, but altered")
+print("[preflight] Authorization reaches the container:",
+      "no: the gateway removes it (the HF token stays out of the jobs)" if auth is None else
+      "yes, intact: the job's code can read the HF token of whoever calls it "
+      "(give callers a narrow GATEWAY_TOKEN)" if auth == want else "yes, but altered")
 xpt = got["x_proxy_token"]
-print("[preflight] X-Proxy-Token reaches the container:", "yes, intact: the proxy's own tokens work "
-      "behind this gateway" if xpt == os.environ["PROBE"] else "NO: the proxy cannot authenticate here"
-      if xpt is None else "yes, but altered")
+print("[preflight] X-Proxy-Token reaches the container:",
+      "yes, intact: the proxy's own tokens work behind this gateway" if xpt == os.environ["PROBE"]
+      else "NO: the proxy cannot authenticate here" if xpt is None else "yes, but altered")
 print("[preflight] request headers that arrived:", ", ".join(got["names"]))
 PY
   if [ -n "$seen" ]; then

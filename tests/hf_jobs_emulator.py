@@ -173,7 +173,8 @@ def job_info(job_id):
                    environment=spec["env"], secrets={k: None for k in spec["secrets"]}, flavor=spec["flavor"],
                    labels=spec["labels"], owner={"id": "0" * 24, "name": USER, "type": "user"},
                    status={"stage": st, "message": message,
-                           "exposeUrls": [f"http://127.0.0.1:{g['outside']}" for g in spec["gateway"]] or None},
+                           "exposeUrls": [f"http://127.0.0.1:{g['outside']}"
+                                          for g in spec["gateway"]] or None},
                    expose={"ports": spec["expose"]} if spec["expose"] else None)
 
 
@@ -210,12 +211,13 @@ def run_job(self, *, image, command, env=None, secrets=None, flavor=None, timeou
     seconds = parse_duration(timeout) if isinstance(timeout, str) else (timeout or 30 * 60)
     write_json(os.path.join(jobdir, "job.json"), dict(
         image=image, command=[gateway_urls(c) for c in command], env=env or {}, secrets=sorted(secrets or {}),
-        flavor=flavor or "cpu-basic", labels=labels or {}, expose=list(expose or []), mounts=mounts, gateway=gateway,
+        flavor=flavor or "cpu-basic", labels=labels or {}, expose=list(expose or []), mounts=mounts,
+        gateway=gateway,
         job_env=job_env, timeout_s=seconds, netns=network(),
         created_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")))
     open(os.path.join(jobdir, "log"), "w").close()
-    sup = subprocess.Popen([sys.executable, __file__, "_supervise", jobdir], start_new_session=True, env=os.environ,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    sup = subprocess.Popen([sys.executable, __file__, "_supervise", jobdir], start_new_session=True,
+                           env=os.environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=open(os.path.join(jobdir, "supervisor.log"), "w"))
     with open(os.path.join(jobdir, "supervisor"), "w") as f:
         f.write(str(sup.pid))
@@ -342,8 +344,8 @@ class Gateway(http.server.BaseHTTPRequestHandler):
     def forward(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.headers.get("Authorization") != f"Bearer {USER_TOKEN}":
-            return self.reply(401, b"401 Unauthorized: send Authorization: Bearer <an HF token with read access "
-                                   b"to the job's namespace> (hf jobs emulator gateway)")
+            return self.reply(401, b"401 Unauthorized: send Authorization: Bearer <an HF token with "
+                                   b"read access to the job's namespace> (hf jobs emulator gateway)")
         drop = self.HOP | ({"authorization"} if self.mode == "strip" else set())
         headers = {k: v for k, v in self.headers.items() if k.lower() not in drop}
         try:
@@ -353,7 +355,7 @@ class Gateway(http.server.BaseHTTPRequestHandler):
             data = resp.read()
             conn.close()
         except OSError as e:
-            return self.reply(502, f"502 Bad Gateway: the job does not answer on port {self.port} ({e})".encode())
+            return self.reply(502, f"502 Bad Gateway: nothing answers on port {self.port} ({e})".encode())
         self.reply(resp.status, data, [(k, v) for k, v in resp.getheaders()
                                        if k.lower() not in self.HOP | {"content-length"}])
 
@@ -369,7 +371,8 @@ def start_gateway(spec):
     if mode not in ("forward", "strip"):
         sys.exit(f"hf jobs emulator: HF_EMU_GATEWAY={mode!r}: use forward or strip")
     for g in spec["gateway"]:
-        handler = type("PortGateway", (Gateway,), dict(netns=spec["netns"], port=g["port"], mode=mode))
+        handler = type("PortGateway", (Gateway,), dict(netns=spec["netns"], port=g["port"],
+                                                         mode=mode))
         outside = http.server.ThreadingHTTPServer(("127.0.0.1", g["outside"]), handler)
         threading.Thread(target=outside.serve_forever, daemon=True).start()
 

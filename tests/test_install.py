@@ -4,8 +4,8 @@
 
 Nothing is installed: `pip install --dry-run --ignore-installed` into a throwaway --target, for
 Linux x86_64 and Python 3.12 (the vLLM image's), CUDA wheels included, resolved on this CPU machine.
-The sets are read from the scripts themselves: `DRY_RUN=1 GPU=1 bash setup.sh --test` prints the
-pip commands a GPU machine runs, `DRY_RUN=1 bash jobs.sh` the job command whose `pip install`
+The sets are read from the scripts themselves: `SETUP_DRY_RUN=1 SETUP_GPU=1 bash setup.sh --test`
+prints the pip commands a GPU machine runs, `DRY_RUN=1 bash jobs.sh` the job command whose `pip install`
 adds requirements.txt (less torch and gguf) to the image `vllm/vllm-openai:vX` (vLLM X and its
 torch). pip runs isolated from this machine's configuration (no local wheel folders, no
 constraints file): PyPI only. Skipped, with the reason, only when PyPI cannot be reached.
@@ -53,8 +53,9 @@ def resolve(args, tmp_path):
 
 def setup_gpu_set(test):
     """Every requirement setup.sh installs on a GPU machine (its pip commands, one per line)."""
-    res = subprocess.run(["bash", "setup.sh", *(["--test"] if test else [])], cwd=ROOT, capture_output=True,
-                         text=True, env=dict(os.environ, DRY_RUN="1", GPU="1"), timeout=60, check=True)
+    env = dict(os.environ, SETUP_DRY_RUN="1", SETUP_GPU="1")
+    res = subprocess.run(["bash", "setup.sh", *(["--test"] if test else [])], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60, check=True)
     lines = [line.split()[2:] for line in res.stdout.splitlines() if line.startswith("pip install ")]
     assert len(lines) == 2, res.stdout  # torch alone, then the rest
     return [a for line in lines for a in line]
