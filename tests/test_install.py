@@ -1,6 +1,6 @@
 """pip's resolver on the exact install sets of a GPU machine and of a Hugging Face Jobs replica.
 
-    .venv/bin/python -m pytest -q tests/test_install.py   # ~3 min on 2 busy cores: PyPI metadata only
+    .venv/bin/python -m pytest -q tests/test_install.py   # ~2 min: PyPI metadata only
 
 Nothing is installed: `pip install --dry-run --ignore-installed` into a throwaway --target, for
 Linux x86_64 and Python 3.12 (the vLLM image's), CUDA wheels included, resolved on this CPU machine.
