@@ -2,13 +2,14 @@
 
 The `hf` first on PATH is tests/hf_jobs_emulator.py: huggingface_hub's real CLI, with the Hub's side
 of Jobs and Buckets answered on this machine (its docstring lists what is emulated and how). A job
-runs chrooted with its volumes at their mount points (`:ro` read-only), only its -e/-s/--secrets
-environment, `python3` but no `python` on PATH, and reaches an exposed port through the URL built
-from the job id (rewritten to a gateway address, where a server bound to 127.0.0.1 is unreachable).
+runs chrooted with its volumes at their mount points (`:ro` read-only, and late to show another
+job's writes), only its -e/-s/--secrets environment, `python3` but no `python` on PATH, after a
+SCHEDULING stage; an exposed port is reached through a gateway that wants the user's HF bearer
+and, with HF_EMU_GATEWAY=strip, removes Authorization before forwarding.
 
-The first test checks the emulation itself; the second runs proxy + 1 replica + trainer on the tiny
-model through to the trainer's end, then waits for every job to end by itself. Needs root (mount and
-network namespaces); skipped elsewhere.
+The first tests check the emulation itself; then a whole run (proxy + 1 replica + trainer on the
+tiny model) through to COMPLETED behind the gateway in both modes, and `jobs.sh preflight`'s
+verdicts. Needs root (mount and network namespaces); skipped elsewhere.
 """
 
 import json
