@@ -5,6 +5,7 @@
 #   BUCKET=user/name bash jobs.sh     # on Hugging Face Jobs, against your Storage Bucket
 #   bash jobs.sh status|logs [ROLE]|stop     # the last Hugging Face Jobs run (or NAME=...)
 #   DRY_RUN=1 BUCKET=user/name bash jobs.sh  # print the exact `hf jobs run` commands, run nothing
+#   BUCKET=user/name bash jobs.sh preflight  # 2 cpu-basic jobs, < 2 min: gateway, headers, bucket lag
 #
 # Every setting is an environment variable; the values in use are printed at start and listed
 # in README.md. The run's contract (G, groups per step, staleness, temperature, new tokens) is
@@ -21,10 +22,10 @@ banner() { printf '\n== %s ==\n' "$*"; }
 mode=hf action=launch
 case "${1:-}" in
   --local) mode=local ;;
-  status|logs|stop) action=$1 ;;
-  -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+  status|logs|stop|preflight) action=$1 ;;
+  -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
   "") ;;
-  *) die "unknown argument '$1': use --local, status, logs [ROLE] or stop" ;;
+  *) die "unknown argument '$1': use --local, status, logs [ROLE], stop or preflight" ;;
 esac
 
 # ---------------------------------------------------------------------------------------------
@@ -41,10 +42,13 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${MAX_NEW_TOKENS:=256}" "${LEARNING_RATE:=5e-5}"
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
-  : "${IMAGE:=vllm/vllm-openai:v0.33.0}"   # the vLLM setup.sh pins (torch 2.13, as requirements.txt)
+  : "${IMAGE:=vllm/vllm-openai:v0.32.0}"   # setup.sh's vLLM pin: torch 2.13.0, transformers <5.20
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
-  if [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
+  : "${STARTUP_TIMEOUT:=900}"   # seconds for the proxy job to be RUNNING and answer /healthz
+  : "${JOB_ENV:=}"             # extra "K=V K=V" for every job (-e), e.g. "HF_HUB_OFFLINE=1"
+  if [ "$action" = preflight ]; then : "${NAME:=preflight-$(date +%Y%m%d-%H%M%S)}"
+  elif [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
   else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
 fi
 : "${DATA:=}"                       # gsm8k: local JSONL instead of the hub's openai/gsm8k
@@ -56,7 +60,7 @@ fi
 : "${ENGINE:=auto}"                 # auto | vllm | hf
 : "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
 : "${ROLLOUT_ARGS:=}"               # extra rollout.py flags, e.g. "--gpu-memory-utilization 0.3"
-if [ "$action" != launch ] && [ -z "$NAME" ]; then
+if [ "$action" != launch ] && [ "$action" != preflight ] && [ -z "$NAME" ]; then
   die "no Hugging Face Jobs run found (runs/.last-hf): set NAME=<run name>"
 fi
 case $NAME in  # NAME becomes a folder (runs/NAME), a bucket prefix and part of a volume spec
@@ -70,7 +74,7 @@ show_settings() {
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
            TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R LORA_ALPHA LOSS_TYPE BETA \
            SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
-           TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT TRAINER_ARGS ROLLOUT_ARGS; do
+           TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
 }
@@ -163,9 +167,30 @@ print(snapshot_download(sys.argv[1], etag_timeout=10))" "$MODEL" 2>"$RUN/model.l
 }
 
 new_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \n'; }
+host_python() {  # sets PYH: a python3 on this machine (.venv's when there is one)
+  if [ -x "$ROOT/.venv/bin/python" ]; then PYH=$ROOT/.venv/bin/python
+  elif command -v python3 >/dev/null; then PYH=python3
+  else die "python3 is missing here (jobs.sh runs proxy.py to make the replicas' tokens)"; fi
+}
+http_get() {  # URL HEADERS [OUT] — status 0 on a 2xx answer. HEADERS ("Name: value" lines) go on
+  # stdin, never on a command line (readable by every user in /proc). curl, else python3.
+  if command -v curl >/dev/null; then
+    printf '%s\n' "$2" | sed 's/^/header = "/; s/$/"/' |
+      curl -sf --max-time 10 -K - -o "${3:-/dev/null}" "$1" 2>/dev/null
+  else
+    printf '%s' "$2" | "$PYH" -c 'import sys, urllib.request as u
+headers = dict(line.split(": ", 1) for line in sys.stdin.read().splitlines())
+body = u.urlopen(u.Request(sys.argv[1], headers=headers), timeout=10).read()
+open(sys.argv[2], "wb").write(body)' "$1" "${3:-/dev/null}" 2>/dev/null
+  fi
+}
 save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; quiet if it is gone
-  curl -sf --max-time 5 -H "Authorization: Bearer $PROXY_TOKEN" "$1/stats" -o "$RUN/stats.json.part" 2>/dev/null &&
+  http_get "$1/stats" "X-Proxy-Token: $PROXY_TOKEN" "$RUN/stats.json.part" &&
     mv "$RUN/stats.json.part" "$RUN/stats.json" || true
+}
+replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one worker name
+  "$PYH" "$ROOT/proxy.py" --print-replica-token "$1" ||
+    die "proxy.py --print-replica-token $1 failed"
 }
 
 run_local() {
@@ -173,11 +198,15 @@ run_local() {
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
   # This run's tokens: the trainer's (PROXY_TOKEN) and the replicas' (ROLLOUT_TOKEN: /rollouts,
   # /quota, /config, /stats only). Nothing else on the machine can feed or drain this proxy.
+  # Each replica gets ROLLOUT_TOKEN bound to its worker name (proxy.py --print-replica-token).
   export PROXY_TOKEN=${PROXY_TOKEN:-$(new_token)} ROLLOUT_TOKEN=${ROLLOUT_TOKEN:-$(new_token)}
-  local PY=$ROOT/.venv/bin/python t0=$SECONDS url=http://127.0.0.1:$PROXY_PORT rc=0
+  local PY=$ROOT/.venv/bin/python t0=$SECONDS url=http://127.0.0.1:$PROXY_PORT PYH
+  host_python
   # Another run's proxy may already answer on this port; this run must not attach to it.
-  curl -s -o /dev/null --max-time 3 "$url/healthz" || rc=$?
-  [ $rc = 7 ] || die "something already listens on 127.0.0.1:$PROXY_PORT (another run's proxy?): set PROXY_PORT to a free port"
+  ! "$PYH" -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 3)' \
+    "$PROXY_PORT" 2>/dev/null ||
+    die "something already listens on 127.0.0.1:$PROXY_PORT (another run's proxy?):" \
+        "set PROXY_PORT to a free port"
   banner "setup (.venv; nothing is installed when it is already there)"
   bash setup.sh
   mkdir -p "$RUN"
@@ -191,10 +220,10 @@ run_local() {
   banner "proxy on 127.0.0.1:$PROXY_PORT"
   proxy_args 127.0.0.1 "$PROXY_PORT"; start proxy "$PY" "${ARGS[@]}"
   local proxy_pid=$LAST_PID
-  for _ in $(seq 100); do curl -sf "$url/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
+  for _ in $(seq 100); do http_get "$url/healthz" "X-Probe: 1" && break; sleep 0.1; done
   running "$proxy_pid" || die "the proxy did not start, see $RUN/proxy.log:
 $(tail -5 "$RUN/proxy.log")"
-  curl -sf -H "Authorization: Bearer $PROXY_TOKEN" "$url/stats" >/dev/null ||
+  http_get "$url/stats" "X-Proxy-Token: $PROXY_TOKEN" ||
     die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's? Set PROXY_PORT to a free port"
 
   banner "base model: greedy accuracy on (up to) $EVAL_LIMIT held-out $TASK problems"
@@ -205,10 +234,11 @@ $(tail -5 "$RUN/proxy.log")"
 
   banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS (logs in $RUN/)"
   local train_t0=$SECONDS
-  trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start trainer "$PY" "${ARGS[@]}"
-  local trainer_pid=$LAST_PID i
-  for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; start "rollout-$i" env PROXY_TOKEN="$ROLLOUT_TOKEN" "$PY" "${ARGS[@]}"
+  trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start trainer env -u ROLLOUT_TOKEN "$PY" "${ARGS[@]}"
+  local trainer_pid=$LAST_PID i secret=$ROLLOUT_TOKEN
+  for ((i = 0; i < REPLICAS; i++)); do  # tokens travel in the environment, never on a command line
+    rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; ROLLOUT_TOKEN=$(replica_token "replica-$i")
+    start "rollout-$i" env -u PROXY_TOKEN "$PY" "${ARGS[@]}"; ROLLOUT_TOKEN=$secret
   done
   local shown="" line
   while kill -0 "$trainer_pid" 2>/dev/null; do
@@ -258,35 +288,59 @@ hf_cli() {  # sets HF: the `hf` on PATH (a test puts a stand-in first), else .ve
 q() { printf '%q ' "$@"; }   # quote a command for `bash -c` inside the job
 sq() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }  # 'single-quoted', for display
 
-job_opts() {  # ROLE FLAVOR — sets OPTS, the `hf jobs run` options of one job
-  OPTS=(--detach --name "$NAME-$1" --flavor "$2" --timeout "$TIMEOUT" --secrets HF_TOKEN
+job_opts() {  # ROLE FLAVOR — sets OPTS, the `hf jobs run` options of one job, and SECRETS, the
+  # names of the secrets it gets: `--secrets NAME` reads each value from the environment of `hf`
+  # (job_env sets it), so no value is on a command line.
+  local w s
+  OPTS=(--detach --name "$NAME-$1" --flavor "$2" --timeout "$TIMEOUT"
+        -e HF_HOME=/tmp/hf -e PYTHONUNBUFFERED=1   # a writable cache; logs as they happen
         -v "$ROOT/$RUN/code:/code")   # a local folder: uploaded, then mounted read-only
+  set -f; for w in $JOB_ENV; do OPTS+=(-e "$w"); done; set +f
+  case $1 in
+    proxy)     SECRETS="PROXY_TOKEN ROLLOUT_TOKEN" ;;   # the trainer's token, the replicas' secret
+    rollout-*) SECRETS="ROLLOUT_TOKEN GATEWAY_TOKEN" ;;  # its own bound credential; the gateway's
+    trainer)   SECRETS="PROXY_TOKEN TRAINER_STATE_KEY GATEWAY_TOKEN HF_TOKEN" ;;  # bucket, models
+  esac
   case $1 in
     proxy) OPTS+=(--expose 8000) ;;
     *) case $BUCKET in
          s3://*)  # S3 / R2 / MinIO: reached with boto3 from inside the jobs, no mount
-           OPTS+=(-e "AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}"
-                  --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY)
+           OPTS+=(-e "AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}")
+           SECRETS="$SECRETS AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY"
            if [ -n "${AWS_ENDPOINT_URL:-}" ]; then OPTS+=(-e "AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL"); fi ;;
          *) if [ "$1" = trainer ]; then OPTS+=(-v "hf://buckets/$BUCKET_ID:/bucket")
             else OPTS+=(-v "hf://buckets/$BUCKET_ID:/bucket:ro"); fi ;;   # replicas only read
        esac ;;
   esac
+  for s in $SECRETS; do OPTS+=(--secrets "$s"); done
+}
+job_env() {  # ROLE — in submit's subshell, before `hf jobs run`: the values behind its --secrets
+  case $1 in
+    rollout-*)
+      ROLLOUT_TOKEN=$(replica_token "replica-${1#rollout-}") || return 1   # rollout.py's worker
+      if [ -n "${ROLLOUT_AWS_ACCESS_KEY_ID:-}" ]; then   # read-only keys for the replicas
+        AWS_ACCESS_KEY_ID=$ROLLOUT_AWS_ACCESS_KEY_ID
+        AWS_SECRET_ACCESS_KEY=$ROLLOUT_AWS_SECRET_ACCESS_KEY
+      fi ;;
+  esac
 }
 job_command() {  # ROLE — sets CMD, the job's `bash -c` text: ARGS run by python3 (the images have no `python`)
-  CMD="cd /code && PROXY_TOKEN=\$HF_TOKEN exec python3 $(q "${ARGS[@]}")"
+  CMD="cd /code && exec python3 $(q "${ARGS[@]}")"
   # The vLLM image has torch, transformers and vLLM; add the rest of requirements.txt (not torch,
   # not gguf) at its versions. The proxy's image needs nothing: it runs on the standard library.
   local deps='$(grep -E "^[a-z]" /code/requirements.txt | grep -vE "^(torch|gguf)==" | cut -d" " -f1)'
-  if [ "$1" != proxy ]; then CMD="pip install -q --disable-pip-version-check $deps && $CMD"; fi
+  [ "$1" = proxy ] || CMD="python3 -m pip install -q --disable-pip-version-check $deps && $CMD"
 }
-submit() {  # ROLE IMAGE — `hf jobs run` OPTS IMAGE bash -c CMD; sets JOB_ID and records it at once
+submit() {  # ROLE IMAGE — `hf jobs run` OPTS -- IMAGE bash -c CMD; sets and records JOB_ID
   local role=$1 image=$2 out
   if [ -n "${DRY_RUN:-}" ]; then
-    echo "${HF[*]} jobs run $(q "${OPTS[@]}" "$image")bash -c $(sq "$CMD")" >&2
+    echo "${HF[*]} jobs run $(q "${OPTS[@]}")-- $(q "$image")bash -c $(sq "$CMD")" >&2
+    echo "[jobs] $role: secrets $SECRETS" >&2
     JOB_ID="<$role-job-id>"; return
   fi
-  out=$("${HF[@]}" jobs run "${OPTS[@]}" "$image" bash -c "$CMD" 2>&1 </dev/null) ||
+  # `--` before the image: the CLI never reads the job's command as its own options
+  out=$(job_env "$role" &&
+        "${HF[@]}" jobs run "${OPTS[@]}" -- "$image" bash -c "$CMD" 2>&1 </dev/null) ||
     abort_launch "'hf jobs run' failed for the $role job:
 $out"
   # "id: <24 hex>" (huggingface_hub >= 1.17), "id=<24 hex>" (agent format), "Job started with ID: ..."
@@ -304,15 +358,72 @@ abort_launch() {  # MESSAGE — a launch failed half-way: cancel what it started
   fi
   exit 1
 }
+run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY: random, made once per run NAME and
+  # kept in RUN/secrets.env (mode 600), so a relaunch of the same NAME resumes with the same ones
+  local f=$RUN/secrets.env k v
+  if [ ! -f "$f" ]; then
+    (umask 077; printf 'PROXY_TOKEN=%s\nROLLOUT_TOKEN=%s\nTRAINER_STATE_KEY=%s\n' \
+       "$(new_token)" "$(new_token)" "$(new_token)" >"$f")
+  fi
+  for k in PROXY_TOKEN ROLLOUT_TOKEN TRAINER_STATE_KEY; do
+    v=$(sed -n "s/^$k=//p" "$f" | head -1)
+    case $v in ""|*[!0-9a-f]*) die "$f has no '$k=<hex>' line: delete it for new tokens" ;; esac
+    eval "$k=\$v"; export "$k"
+  done
+  # GATEWAY_TOKEN opens the *.hf.jobs gateway in front of the proxy (Authorization: Bearer).
+  if [ -z "${GATEWAY_TOKEN:-}" ]; then
+    GATEWAY_TOKEN=${HF_TOKEN:-}
+    echo "[jobs] note: the replicas and the trainer open the proxy's gateway with your HF token;" \
+         "GATEWAY_TOKEN=<a fine-grained read token> gives them a narrower one (docs/hf-jobs.md)"
+  fi
+  export GATEWAY_TOKEN
+  case $BUCKET in s3://*) [ -n "${ROLLOUT_AWS_ACCESS_KEY_ID:-}" ] ||
+    echo "[jobs] warning: the replicas get the trainer's AWS keys (they can write the bucket):" \
+         "set ROLLOUT_AWS_ACCESS_KEY_ID and ROLLOUT_AWS_SECRET_ACCESS_KEY to read-only keys" ;; esac
+}
+proxy_info() {  # ID — prints "STAGE URL" from `hf jobs inspect --format json` (its exposed URL)
+  "${HF[@]}" jobs inspect --format json "$1" 2>/dev/null </dev/null | "$PYH" -c 'import json, sys
+try:
+    d = json.load(sys.stdin); d = d[0] if isinstance(d, list) else d; s = d.get("status") or {}
+    print(s.get("stage") or "?", (s.get("expose_urls") or [""])[0])
+except ValueError:
+    print("?")' 2>/dev/null || echo "?"
+}
+wait_for_proxy() {  # ID [ROLE] — until the job is RUNNING and answers /healthz through the gateway;
+  # sets URL (the exposed URL `hf jobs inspect` shows, else the one built from the id). On a
+  # timeout or an ended job: a clear message, and every job of this launch cancelled.
+  local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy}
+  echo "[jobs] waiting for the $role job: RUNNING, then GET $URL/healthz" \
+       "(up to ${STARTUP_TIMEOUT}s)"
+  while :; do
+    read -r stage public <<<"$(proxy_info "$1") "
+    case $stage in ERROR|CANCELED|CANCELLED|COMPLETED|DELETED)
+      abort_launch "the $role job $1 ended ($stage) before it answered:" \
+        "see '${HF[*]} jobs logs $1'" ;; esac
+    if [ "$stage" = RUNNING ]; then
+      [ -z "$public" ] || URL=$public
+      if http_get "$URL/healthz" "Authorization: Bearer $GATEWAY_TOKEN"; then
+        echo "[jobs] the $role job answers at $URL"; return; fi
+    fi
+    [ $SECONDS -lt $deadline ] || abort_launch "the $role job $1 did not answer $URL/healthz within \
+${STARTUP_TIMEOUT}s (stage ${stage:-unknown}): see '${HF[*]} jobs logs $1', or set STARTUP_TIMEOUT"
+    sleep 2
+  done
+}
 
-launch_hf() {
-  [ -n "${BUCKET:-}" ] || die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
-  hf_cli
-  if [ -z "${HF_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then  # `--secrets HF_TOKEN` reads it from here
+hf_token() {  # HF_TOKEN from the environment, else the CLI's login (`--secrets HF_TOKEN` reads it)
+  if [ -z "${HF_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then
     HF_TOKEN=$("${HF[@]}" auth token 2>/dev/null </dev/null | tail -1) || true
     [ -n "$HF_TOKEN" ] || die "no HF token: run 'hf auth login' or set HF_TOKEN"
     export HF_TOKEN
   fi
+}
+
+launch_hf() {
+  [ -n "${BUCKET:-}" ] || die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
+  hf_cli
+  local PYH; host_python
+  hf_token
   mkdir -p "$RUN"
   if [ -z "${DRY_RUN:-}" ]; then  # from here on, `bash jobs.sh stop` finds every job started
     echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
@@ -328,6 +439,8 @@ launch_hf() {
               die "could not create the bucket $BUCKET_ID: $out"; fi
        bucket_path=/bucket/$NAME ;;
   esac
+  banner "per-run secrets ($RUN/secrets.env, mode 600; GATEWAY_TOKEN from the environment)"
+  run_secrets
   # The code travels as a local-folder volume: `hf jobs run` uploads it to a bucket and mounts it
   # read-only at /code. Only tracked files go, so no .venv or runs/ is uploaded.
   rm -rf "$RUN/code"; mkdir -p "$RUN/code"
@@ -335,19 +448,24 @@ launch_hf() {
     die "could not copy the git-tracked files to $RUN/code (jobs.sh ships the files of a git checkout)"
   trap 'abort_launch "interrupted"' INT TERM
 
+  banner "1. the proxy, then its health through the gateway; 2. the replicas; 3. the trainer"
   proxy_args 0.0.0.0 8000; job_opts proxy "$PROXY_FLAVOR"; job_command proxy
   submit proxy "$PROXY_IMAGE"
-  local url=https://$JOB_ID--8000.hf.jobs i tid
-  echo "[jobs] proxy URL: $url"
+  URL=https://$JOB_ID--8000.hf.jobs
+  if [ -n "${DRY_RUN:-}" ]; then
+    echo "[jobs] then: wait for RUNNING and GET $URL/healthz" \
+         "(Authorization: Bearer \$GATEWAY_TOKEN)" >&2
+  else wait_for_proxy "$JOB_ID"; fi
+  local i tid
   for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL" "$bucket_path" "$url" "$i"; job_opts "rollout-$i" "$ROLLOUT_FLAVOR"
+    rollout_args "$MODEL" "$bucket_path" "$URL" "$i"; job_opts "rollout-$i" "$ROLLOUT_FLAVOR"
     job_command rollout; submit "rollout-$i" "$IMAGE"
   done
-  trainer_args "$MODEL" "$bucket_path" "$url"; job_opts trainer "$TRAINER_FLAVOR"; job_command trainer
+  trainer_args "$MODEL" "$bucket_path" "$URL"; job_opts trainer "$TRAINER_FLAVOR"; job_command trainer
   submit trainer "$IMAGE"; tid=$JOB_ID
   trap - INT TERM
   if [ -n "${DRY_RUN:-}" ]; then echo "Dry run: nothing was launched (the commands are above, on stderr)."; return; fi
-  cat <<EOF
+  cat <<EOT
 
 Launched run $NAME (job ids in $RUN/jobs.txt). The jobs end by themselves when the trainer has
 done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
@@ -355,7 +473,75 @@ done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
   all stages:           bash jobs.sh status
   stop everything:      bash jobs.sh stop
   metrics:              $bucket_path/metrics/ in the bucket (a JSON file per step: python sync.py metrics)
-EOF
+EOT
+}
+
+preflight_hf() {  # two cpu-basic jobs, < 2 minutes: what the platform does, before paying for GPUs
+  case ${BUCKET:-} in
+    ""|s3://*) die "preflight checks a Storage Bucket mount: set BUCKET=user/name" ;; esac
+  [ -z "${DRY_RUN:-}" ] || die "preflight launches two small jobs: run it without DRY_RUN"
+  hf_cli
+  local PYH t0=$SECONDS probe out verdict; host_python
+  hf_token
+  BUCKET_ID=${BUCKET#hf://buckets/}
+  out=$("${HF[@]}" buckets create "$BUCKET_ID" --private --exist-ok 2>&1 </dev/null) ||
+    die "could not create the bucket $BUCKET_ID: $out"
+  mkdir -p "$RUN"; echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
+  rm -rf "$RUN/code"; mkdir -p "$RUN/code"
+  git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code" ||
+    die "could not copy the code to $RUN/code"
+  trap 'abort_launch "interrupted"' INT TERM
+  banner "preflight $NAME: job 1 serves port 8000 and reads the bucket, job 2 writes it"
+  local opts=(--detach --flavor cpu-basic --timeout 5m -e PYTHONUNBUFFERED=1
+              -v "$ROOT/$RUN/code:/code")
+  SECRETS=""
+  OPTS=("${opts[@]}" --name "$NAME-serve" --expose 8000 -v "hf://buckets/$BUCKET_ID:/bucket:ro")
+  CMD="cd /code && exec python3 scripts/preflight.py serve /bucket/$NAME --seconds 240"
+  submit serve "$PROXY_IMAGE"
+  URL=https://$JOB_ID--8000.hf.jobs GATEWAY_TOKEN=${GATEWAY_TOKEN:-$HF_TOKEN}   # the token to try
+  wait_for_proxy "$JOB_ID" serve
+  local reach_s=$((SECONDS - t0))
+  OPTS=("${opts[@]}" --name "$NAME-write" -v "hf://buckets/$BUCKET_ID:/bucket")
+  CMD="cd /code && exec python3 scripts/preflight.py write /bucket/$NAME --seconds 90"
+  submit write "$PROXY_IMAGE"
+
+  probe=$(new_token)
+  http_get "$URL/headers" "Authorization: Bearer $GATEWAY_TOKEN
+X-Proxy-Token: $probe" "$RUN/headers.json" || abort_launch "GET $URL/headers failed"
+  if http_get "$URL/healthz" "X-Probe: 1"; then verdict="ANSWERED (anyone can reach the port)"
+  else verdict="refused"; fi
+  local deadline=$((SECONDS + 90)) seen=""
+  while [ $SECONDS -lt $deadline ]; do
+    http_get "$URL/bucket" "Authorization: Bearer $GATEWAY_TOKEN" "$RUN/bucket.json" &&
+      grep -q '"seen": true' "$RUN/bucket.json" && { seen=1; break; }
+    sleep 2
+  done
+  banner "preflight verdicts (details in $RUN/)"
+  echo "[preflight] exposed URL reachable with the HF token (GATEWAY_TOKEN if set): yes," \
+       "$URL/healthz answered" \
+       "${reach_s}s after the launch; without a token: $verdict"
+  HEADERS_EXPECTED="Bearer $GATEWAY_TOKEN" PROBE=$probe "$PYH" - "$RUN/headers.json" <<'PY'
+import hashlib, json, os, sys
+got = json.load(open(sys.argv[1]))
+want = hashlib.sha256(os.environ["HEADERS_EXPECTED"].encode()).hexdigest()[:16]
+auth = got["authorization_sha256"]
+print("[preflight] Authorization reaches the container:",
+      "no: the gateway removes it (the HF token stays out of the jobs)" if auth is None else
+      "yes, intact: the job's code can read the HF token of whoever calls it "
+      "(give callers a narrow GATEWAY_TOKEN)" if auth == want else "yes, but altered")
+xpt = got["x_proxy_token"]
+print("[preflight] X-Proxy-Token reaches the container:",
+      "yes, intact: the proxy's own tokens work behind this gateway" if xpt == os.environ["PROBE"]
+      else "NO: the proxy cannot authenticate here" if xpt is None else "yes, but altered")
+print("[preflight] request headers that arrived:", ", ".join(got["names"]))
+PY
+  if [ -n "$seen" ]; then
+    echo "[preflight] bucket: the file job 2 wrote was seen by job 1 after" \
+         "$(grep -oE '"lag_s": [0-9.]+' "$RUN/bucket.json" | grep -oE '[0-9.]+$') s"
+  else echo "[preflight] bucket: the file job 2 wrote was NOT seen by job 1 within 90 s"; fi
+  trap - INT TERM
+  cancel_recorded >/dev/null || true
+  echo "[preflight] done in $((SECONDS - t0)) s; both jobs cancelled"
 }
 
 cancel_recorded() {  # cancel every job in RUN/jobs.txt, whatever fails; status 1 if any was not
@@ -388,4 +574,5 @@ manage_hf() {
 
 if [ "$mode" = local ]; then run_local
 elif [ "$action" = launch ]; then launch_hf
+elif [ "$action" = preflight ]; then preflight_hf
 else manage_hf "$@"; fi

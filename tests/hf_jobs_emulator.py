@@ -10,40 +10,55 @@ HF_EMU_DIR/buckets), run_job, inspect_job, cancel_job and fetch_job_logs.
 
 How a job runs (Linux, as root, with mount and network namespaces):
 1. Files: the job gets its own mount namespace and is chrooted into a root made of this machine's
-   top-level folders (bind mounts) plus each volume at its mount point: the bucket's folder,
-   read-only when the spec ends in `:ro`; a local folder is copied when the job is submitted (as
-   `hf jobs run` uploads it) and mounted read-only, as on Jobs.
-2. Environment: only what -e/-s/--secrets give, plus JOB_ID, CPU_CORES, HOME, PATH and the test's
-   thread and offline settings (PASS_ENV). PATH holds bash, the core utilities and `python3`, no
-   `python`. `python3` is .venv's interpreter; in an image named python:* it runs with -S (standard
-   library only, like python:3.12-slim). `pip` is .venv's pip with no index and no configuration
-   (no find-links): a `pip install` passes only when the packages are already installed, and
-   changes nothing.
-3. Network: all jobs share one network namespace with a loopback interface that also holds
-   GATEWAY_IP. An exposed port's URL, https://<id>--<port>.hf.jobs, is rewritten to
-   http://GATEWAY_IP:<port> in the command and environment of the jobs submitted after it: the one
-   change made to a job's command. As behind the real gateway, a server bound to 127.0.0.1 cannot
-   be reached that way; one bound to 0.0.0.0 can.
-4. Stage: RUNNING, then COMPLETED (exit 0), ERROR (another exit status, or --timeout) or CANCELED.
+   top-level folders (bind mounts) plus each volume at its mount point; a local folder is copied
+   when the job is submitted (as `hf jobs run` uploads it) and mounted read-only, as on Jobs. A
+   bucket mounted read-write is the bucket's folder itself; one mounted `:ro` is a read-only view
+   that shows each file another job writes after a delay drawn from HF_EMU_MOUNT_LAG (default
+   "10 30" seconds; tests/bench_propagation.py's Mirror), like hf-mount's polled metadata. (Two
+   read-write mounts of one bucket see each other at once: kinder than the platform.)
+2. Environment: only what -e/-s/--secrets give, plus what Jobs sets (JOB_ID, ACCELERATOR,
+   CPU_CORES, MEMORY) and the image's HOME and PATH: nothing of this machine's, so a test that
+   needs HF_HUB_OFFLINE & co passes them as a job's -e (jobs.sh: JOB_ENV). PATH holds bash, the
+   core utilities and `python3`, no `python`. `python3` is .venv's interpreter; in an image named
+   python:* it runs with -S (standard library only, like python:3.12-slim). Its pip (`pip`,
+   `python3 -m pip`) has no index and no configuration (no find-links): a `pip install` passes
+   only when the packages are already installed, and changes nothing.
+3. Network: all jobs share one network namespace (loopback, GATEWAY_IP and JOB_IP). An exposed
+   port sits behind a gateway, as on Jobs: every request needs `Authorization: Bearer <the
+   emulated user's HF token>` (HF_EMU_USER_TOKEN, default hf_emulated_token), else 401; with
+   HF_EMU_GATEWAY=strip the gateway removes Authorization before forwarding (=forward, the
+   default, passes it on: which one Jobs does is what `bash jobs.sh preflight` finds out). The
+   gateway forwards to JOB_IP:<port>, so a server bound to 127.0.0.1 cannot be reached; one
+   bound to 0.0.0.0 can. It listens for the jobs on GATEWAY_IP and for this machine on
+   127.0.0.1 (the URL `hf jobs inspect` shows); https://<id>--<port>.hf.jobs and that URL are
+   rewritten to the jobs' side in the command and environment of jobs submitted later: the one
+   change made to a job's command.
+4. Stage: SCHEDULING (HF_EMU_SCHEDULING seconds, default 2), RUNNING, then COMPLETED (exit 0),
+   ERROR (another exit status, or --timeout) or CANCELED.
 No GPU: the flavour is only checked against huggingface_hub's list of flavours.
 """
 
+import ctypes
 import datetime
+import http.client
+import http.server
 import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 EMU_DIR = os.environ.get("HF_EMU_DIR", "")
 USER = "emulated-user"
-GATEWAY_IP = "10.233.0.1"
+GATEWAY_IP, JOB_IP = "10.233.0.1", "10.233.0.2"
+USER_TOKEN = os.environ.get("HF_EMU_USER_TOKEN", "hf_emulated_token")  # the emulated user's HF token
 VENV_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
-PASS_ENV = ["OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "PYTHONUNBUFFERED",
-            "VLLM_CPU_KVCACHE_SPACE"]
+NO_PIP_INDEX = "PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1"
 TOOLS = ["bash", "sh", "env", "cat", "grep", "cut", "sed", "awk", "ls", "mkdir", "rm", "cp", "mv", "tr", "head",
          "tail", "sleep", "date", "dirname", "basename", "uname", "id", "true", "false", "wc", "sort", "tee",
          "touch", "readlink", "nproc", "od", "mktemp", "chmod", "ln", "find", "xargs"]
@@ -98,6 +113,7 @@ def network():
     ns = ["nsenter", f"--net=/proc/{proc.pid}/ns/net", "ip"]
     run(*ns, "link", "set", "lo", "up")
     run(*ns, "addr", "add", f"{GATEWAY_IP}/32", "dev", "lo")
+    run(*ns, "addr", "add", f"{JOB_IP}/32", "dev", "lo")
     write_json(path("netns.json"), {"pid": proc.pid})
     return proc.pid
 
@@ -113,9 +129,8 @@ def image_bin(image):
         if shutil.which(tool):
             os.symlink(os.path.realpath(shutil.which(tool)), os.path.join(bindir + ".tmp", tool))
     flag = " -S" if kind == "python" else ""
-    scripts = {"python3": f'#!/bin/bash\nexec {VENV_PYTHON}{flag} "$@"\n',
-               "pip": f'#!/bin/bash\nPIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 '
-                      f'exec {VENV_PYTHON} -m pip "$@"\n'}  # no index, no find-links: installs nothing
+    scripts = {"python3": f'#!/bin/bash\n{NO_PIP_INDEX} exec {VENV_PYTHON}{flag} "$@"\n',
+               "pip": f'#!/bin/bash\n{NO_PIP_INDEX} exec {VENV_PYTHON} -m pip "$@"\n'}  # installs nothing
     for name, text in scripts.items():
         with open(os.path.join(bindir + ".tmp", name), "w") as f:
             f.write(text)
@@ -125,10 +140,13 @@ def image_bin(image):
 
 
 def gateway_urls(text):
-    """https://<id>--<port>.hf.jobs of every exposed job -> http://GATEWAY_IP:<port>."""
+    """The URLs of every exposed port (https://<id>--<port>.hf.jobs, and the one `hf jobs inspect`
+    shows on this machine) -> the gateway's address on the jobs' side."""
     for job_id in os.listdir(path("jobs")):
-        for port in read_json(path("jobs", job_id, "job.json"), {}).get("expose", []):
-            text = text.replace(f"https://{job_id}--{port}.hf.jobs", f"http://{GATEWAY_IP}:{port}")
+        for g in read_json(path("jobs", job_id, "job.json"), {}).get("gateway", []):
+            inside = f"http://{GATEWAY_IP}:{g['inside']}"
+            text = text.replace(f"https://{job_id}--{g['port']}.hf.jobs", inside)
+            text = text.replace(f"http://127.0.0.1:{g['outside']}", inside)
     return text
 
 
@@ -136,7 +154,7 @@ def stage(job_id):
     """(stage, message) of a job, from what its supervisor wrote."""
     result = read_json(path("jobs", job_id, "result.json"))
     if result is None:
-        return "RUNNING", None
+        return ("RUNNING" if os.path.exists(path("jobs", job_id, "pid")) else "SCHEDULING"), None
     if os.path.exists(path("jobs", job_id, "canceled")):
         return "CANCELED", None
     if result["rc"] == 0:
@@ -155,7 +173,8 @@ def job_info(job_id):
                    environment=spec["env"], secrets={k: None for k in spec["secrets"]}, flavor=spec["flavor"],
                    labels=spec["labels"], owner={"id": "0" * 24, "name": USER, "type": "user"},
                    status={"stage": st, "message": message,
-                           "exposeUrls": [f"https://{job_id}--{p}.hf.jobs" for p in spec["expose"]] or None},
+                           "exposeUrls": [f"http://127.0.0.1:{g['outside']}"
+                                          for g in spec["gateway"]] or None},
                    expose={"ports": spec["expose"]} if spec["expose"] else None)
 
 
@@ -179,25 +198,36 @@ def run_job(self, *, image, command, env=None, secrets=None, flavor=None, timeou
         if not os.path.isdir(local):
             raise ValueError(f"404 Not Found: bucket folder hf://buckets/{v.source}/{v.path or ''} does not exist")
         mounts.append({"local": local, "mount_path": v.mount_path, "read_only": bool(v.read_only)})
-    job_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-    job_env.update({k: gateway_urls(str(v or "")) for k, v in {**(env or {}), **(secrets or {})}.items()})
+    job_env = {k: gateway_urls(str(v or "")) for k, v in {**(env or {}), **(secrets or {})}.items()}
     jobdir = path("jobs", job_id)
     os.makedirs(os.path.join(jobdir, "home"))
+    gpu = not (flavor or "cpu-basic").startswith("cpu")  # what ACCELERATOR holds on Jobs: a guess
     job_env.update(PATH=image_bin(image), HOME=os.path.join(jobdir, "home"), JOB_ID=job_id,
-                   CPU_CORES=str(os.cpu_count()))
+                   ACCELERATOR=flavor if gpu else "none", CPU_CORES=str(os.cpu_count()),
+                   MEMORY=f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') >> 30}Gi")
+    n = len(os.listdir(path("jobs")))
+    gateway = [{"port": int(p), "inside": 30000 + 10 * n + k, "outside": free_port()}
+               for k, p in enumerate(expose or [])]
     seconds = parse_duration(timeout) if isinstance(timeout, str) else (timeout or 30 * 60)
     write_json(os.path.join(jobdir, "job.json"), dict(
         image=image, command=[gateway_urls(c) for c in command], env=env or {}, secrets=sorted(secrets or {}),
         flavor=flavor or "cpu-basic", labels=labels or {}, expose=list(expose or []), mounts=mounts,
+        gateway=gateway,
         job_env=job_env, timeout_s=seconds, netns=network(),
         created_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")))
-    subprocess.Popen([sys.executable, __file__, "_supervise", jobdir], start_new_session=True, env=os.environ,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):  # until the job's process exists: a cancel right after this call must find it
-        if os.path.exists(os.path.join(jobdir, "pid")):
-            break
-        time.sleep(0.01)
+    open(os.path.join(jobdir, "log"), "w").close()
+    sup = subprocess.Popen([sys.executable, __file__, "_supervise", jobdir], start_new_session=True,
+                           env=os.environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=open(os.path.join(jobdir, "supervisor.log"), "w"))
+    with open(os.path.join(jobdir, "supervisor"), "w") as f:
+        f.write(str(sup.pid))
     return job_info(job_id)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def secrets_token():
@@ -206,12 +236,12 @@ def secrets_token():
 
 def cancel_job(self, *, job_id, **unused):
     job_info(job_id)  # 404 for an unknown id
-    if stage(job_id)[0] != "RUNNING":
+    if stage(job_id)[0] not in ("SCHEDULING", "RUNNING"):
         return
-    open(path("jobs", job_id, "canceled"), "w").close()
-    with open(path("jobs", job_id, "pid")) as f:
-        pgid = int(f.read())
-    kill_group(pgid)
+    open(path("jobs", job_id, "canceled"), "w").close()  # a SCHEDULING job never starts
+    if os.path.exists(path("jobs", job_id, "pid")):
+        with open(path("jobs", job_id, "pid")) as f:
+            kill_group(int(f.read()))
 
 
 def kill_group(pgid, grace=10.0):
@@ -279,11 +309,107 @@ def install():
         setattr(HfApi, f.__name__, f)
 
 
+# ---- the gateway in front of exposed ports, and the lagging read-only bucket views ------------
+
+def enter_netns(pid, _done=threading.local()):
+    """Move the calling thread into the jobs' network namespace (sockets it makes then live there)."""
+    if not getattr(_done, "yes", False):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        with open(f"/proc/{pid}/ns/net") as f:
+            if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), "setns into the jobs' network namespace failed")
+        _done.yes = True
+
+
+class Gateway(http.server.BaseHTTPRequestHandler):
+    """One exposed port: 401 without the user's HF bearer; else the request, Authorization removed
+    when mode == "strip", forwarded to JOB_IP:port inside the jobs' network. Set on a subclass:
+    netns (pid), port, mode."""
+
+    protocol_version = "HTTP/1.1"
+    HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
+
+    def handle_one_request(self):
+        enter_netns(self.netns)
+        super().handle_one_request()
+
+    def reply(self, code, body, headers=()):
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.headers.get("Authorization") != f"Bearer {USER_TOKEN}":
+            return self.reply(401, b"401 Unauthorized: send Authorization: Bearer <an HF token with "
+                                   b"read access to the job's namespace> (hf jobs emulator gateway)")
+        drop = self.HOP | ({"authorization"} if self.mode == "strip" else set())
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in drop}
+        try:
+            conn = http.client.HTTPConnection(JOB_IP, self.port, timeout=600)
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+        except OSError as e:
+            return self.reply(502, f"502 Bad Gateway: nothing answers on port {self.port} ({e})".encode())
+        self.reply(resp.status, data, [(k, v) for k, v in resp.getheaders()
+                                       if k.lower() not in self.HOP | {"content-length"}])
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = forward
+
+    def log_message(self, *args):
+        pass
+
+
+def start_gateway(spec):
+    """For each exposed port: a listener on 127.0.0.1 (this machine) and one on GATEWAY_IP (the jobs)."""
+    mode = os.environ.get("HF_EMU_GATEWAY", "forward")
+    if mode not in ("forward", "strip"):
+        sys.exit(f"hf jobs emulator: HF_EMU_GATEWAY={mode!r}: use forward or strip")
+    for g in spec["gateway"]:
+        handler = type("PortGateway", (Gateway,), dict(netns=spec["netns"], port=g["port"],
+                                                         mode=mode))
+        outside = http.server.ThreadingHTTPServer(("127.0.0.1", g["outside"]), handler)
+        threading.Thread(target=outside.serve_forever, daemon=True).start()
+
+        def inside(handler=handler, port=g["inside"]):
+            enter_netns(spec["netns"])
+            http.server.ThreadingHTTPServer((GATEWAY_IP, port), handler).serve_forever()
+
+        threading.Thread(target=inside, daemon=True).start()
+
+
+def start_views(spec, jobdir):
+    """Each `:ro` bucket mount becomes a view of the bucket's folder that lags (module docstring)."""
+    from bench_propagation import Mirror  # tests/: the mount that lags like hf-mount
+
+    lag = [float(x) for x in os.environ.get("HF_EMU_MOUNT_LAG", "10 30").split()]
+    mirrors = []
+    for k, m in enumerate(spec["mounts"]):
+        if m["read_only"]:  # the code folder too: it never changes, so only its start shows
+            view = os.path.join(jobdir, "views", str(k))
+            shutil.copytree(m["local"], view, symlinks=True)  # what is there at the start shows at once
+            mirrors.append(Mirror(m["local"], view, lag, seed=k, sub=""))
+            m["local"] = view
+    return mirrors
+
+
 # ---- inside: the supervisor (outside the job) and the job's own first steps ----------------------
 
 def supervise(jobdir):
-    """Start the job in its namespaces, wait for it (up to its timeout), write result.json."""
+    """SCHEDULING, then start the job in its namespaces, wait for it (up to its timeout), write
+    result.json. The gateway and the bucket views live as long as this process."""
     spec = read_json(os.path.join(jobdir, "job.json"))
+    time.sleep(float(os.environ.get("HF_EMU_SCHEDULING", "2")))
+    if os.path.exists(os.path.join(jobdir, "canceled")):
+        return write_json(os.path.join(jobdir, "result.json"), {"rc": -15, "message": None})
+    start_gateway(spec)
+    start_views(spec, jobdir)
+    write_json(os.path.join(jobdir, "job.json"), spec)  # the mounts as the job sees them
     argv = ["nsenter", f"--net=/proc/{spec['netns']}/ns/net", "unshare", "--mount", "--propagation", "private",
             sys.executable, __file__, "_enter", jobdir]
     with open(os.path.join(jobdir, "log"), "ab") as log:
@@ -291,6 +417,8 @@ def supervise(jobdir):
                                 stderr=subprocess.STDOUT)
     with open(os.path.join(jobdir, "pid"), "w") as f:
         f.write(str(proc.pid))
+    if os.path.exists(os.path.join(jobdir, "canceled")):  # cancelled while this job was starting
+        kill_group(proc.pid, grace=5)
     message = None
     try:
         rc = proc.wait(timeout=spec["timeout_s"])
@@ -329,9 +457,12 @@ def enter(jobdir):
 def teardown():
     """Kill every job still running and the network holder (the test's cleanup)."""
     for job_id in os.listdir(path("jobs")) if os.path.isdir(path("jobs")) else []:
+        open(path("jobs", job_id, "canceled"), "a").close()  # a job still SCHEDULING never starts
         pid_file = path("jobs", job_id, "pid")
         if os.path.exists(pid_file) and stage(job_id)[0] == "RUNNING":
             kill_group(int(open(pid_file).read()), grace=2)
+        if os.path.exists(path("jobs", job_id, "supervisor")):  # its gateway and bucket views
+            kill_group(int(open(path("jobs", job_id, "supervisor")).read()), grace=2)
     holder = read_json(path("netns.json"), {}).get("pid")
     if holder:
         try:

@@ -2,17 +2,19 @@
 
 The `hf` first on PATH is tests/hf_jobs_emulator.py: huggingface_hub's real CLI, with the Hub's side
 of Jobs and Buckets answered on this machine (its docstring lists what is emulated and how). A job
-runs chrooted with its volumes at their mount points (`:ro` read-only), only its -e/-s/--secrets
-environment, `python3` but no `python` on PATH, and reaches an exposed port through the URL built
-from the job id (rewritten to a gateway address, where a server bound to 127.0.0.1 is unreachable).
+runs chrooted with its volumes at their mount points (`:ro` read-only, and late to show another
+job's writes), only its -e/-s/--secrets environment, `python3` but no `python` on PATH, after a
+SCHEDULING stage; an exposed port is reached through a gateway that wants the user's HF bearer
+and, with HF_EMU_GATEWAY=strip, removes Authorization before forwarding.
 
-The first test checks the emulation itself; the second runs proxy + 1 replica + trainer on the tiny
-model through to the trainer's end, then waits for every job to end by itself. Needs root (mount and
-network namespaces); skipped elsewhere.
+The first tests check the emulation itself; then a whole run (proxy + 1 replica + trainer on the
+tiny model) through to COMPLETED behind the gateway in both modes, and `jobs.sh preflight`'s
+verdicts. Needs root (mount and network namespaces); skipped elsewhere.
 """
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,67 +53,120 @@ def job_id(res):
 
 
 def wait_stage(env, jid, timeout=120):
-    """The job's stage once it is no longer RUNNING (from `hf jobs inspect --format json`)."""
+    """The job's stage once it is neither SCHEDULING nor RUNNING (`hf jobs inspect --format json`)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         res = hf(env, "jobs", "inspect", "--format", "json", jid)
         status = json.loads(res.stdout)[0]["status"]
-        if status["stage"] != "RUNNING":
+        if status["stage"] not in ("SCHEDULING", "RUNNING"):
             return status["stage"]
         time.sleep(0.5)
-    raise TimeoutError(f"job {jid} still RUNNING after {timeout}s")
+    raise TimeoutError(f"job {jid} still running after {timeout}s")
 
 
 def job_log(env, jid):
     return hf(env, "jobs", "logs", jid).stdout
 
 
-def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path):
-    env = hf_jobs
+ECHO_SERVER = """
+import json, http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        data = json.dumps(dict(self.headers)).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+PROBE = """
+import os, sys, time, urllib.request, urllib.error
+def get(url, auth):
+    headers = {"Authorization": "Bearer " + os.environ["HF_TOKEN"]} if auth else {}
+    for attempt in range(40):  # the server job may still be scheduling or starting
+        try:
+            return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5).read().decode()
+        except urllib.error.HTTPError as e:
+            if e.code != 502 or url != sys.argv[1]:  # once the first server answered, 502 is final
+                return str(e.code)
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return "unreachable"
+for url in sys.argv[1:]:
+    print(url, "with:", get(url, True), "without:", get(url, False))
+import requests  # the full image has the project's packages; python:* images only the stdlib
+"""
+
+
+@pytest.mark.parametrize("mode", ["forward", "strip"])
+def test_the_emulator_runs_a_job_as_jobs_would(hf_jobs, tmp_path, mode):
+    env = dict(hf_jobs, HF_EMU_GATEWAY=mode, HF_HUB_OFFLINE="1")  # the host's offline setting: not the jobs'
     code = tmp_path / "code"
     code.mkdir()
-    (code / "page.txt").write_text("served")
+    (code / "echo.py").write_text(ECHO_SERVER)
+    (code / "probe.py").write_text(PROBE)
     assert hf(env, "buckets", "create", "alice/b", "--private", "--exist-ok").returncode == 0
-    # a server on 0.0.0.0:8000 (exposed) and one on 127.0.0.1:8001 (exposed, but loopback only)
-    server = job_id(hf(env, "jobs", "run", "--detach", "--expose", "8000", "--expose", "8001", "-v", f"{code}:/code",
-                       "python:3.12-slim", "bash", "-c",
-                       "cd /code && (python3 -m http.server 8001 --bind 127.0.0.1 &) && "
-                       "exec python3 -m http.server 8000 --bind 0.0.0.0"))
-    probe = (
-        "import sys, time, urllib.request\n"
-        "for url in sys.argv[1:]:\n"
-        "    for attempt in range(10):\n"  # the server job may still be starting
-        "        try: print(url, urllib.request.urlopen(url + '/page.txt', timeout=5).read().decode()); break\n"
-        "        except OSError as e: time.sleep(0.5)\n"
-        "    else: print(url, 'unreachable')\n"
-        "import requests\n"  # the full image has the project's packages; python:* images only the stdlib
-    )
+    # an echo server on 0.0.0.0:8000 (exposed) and one on 127.0.0.1:8001 (exposed, but loopback only)
+    res = hf(env, "jobs", "run", "--detach", "--expose", "8000", "--expose", "8001", "-v", f"{code}:/code",
+             "python:3.12-slim", "bash", "-c",
+             "cd /code && (python3 -m http.server 8001 --bind 127.0.0.1 &) && exec python3 echo.py")
+    server = job_id(res)
+    info = json.loads(hf(env, "jobs", "inspect", "--format", "json", server).stdout)[0]
+    assert info["status"]["stage"] == "SCHEDULING"  # before RUNNING, as on Jobs
+    outside = info["status"]["expose_urls"][0]  # this machine's way in: the same gateway
     client = job_id(hf(env, "jobs", "run", "--detach", "--secrets", "HF_TOKEN", "-e", "GREETING=hi", "-v",
-                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "vllm/vllm-openai:v0.33.0", "bash", "-c",
+                       "hf://buckets/alice/b:/bucket", "-v", f"{code}:/code", "--",
+                       "vllm/vllm-openai:v0.32.0", "bash", "-c",
                        "command -v python || echo 'no python'; echo \"$GREETING $HF_TOKEN $JOB_ID\"; "
+                       "echo \"offline=${HF_HUB_OFFLINE:-unset} accelerator=$ACCELERATOR\"; "
                        "echo written > /bucket/out.txt; touch /code/x || echo 'code is read-only'; "
-                       f"python3 -c \"{probe}\" https://{server}--8000.hf.jobs https://{server}--8001.hf.jobs && "
+                       f"python3 /code/probe.py https://{server}--8000.hf.jobs https://{server}--8001.hf.jobs && "
                        "python3 -m pip install -q 'peft==0.21.2' && echo 'pip: already there'"))
     assert wait_stage(env, client) == "COMPLETED", job_log(env, client)
     out = job_log(env, client)
     assert "no python" in out and f"hi hf_emulated_token {client}" in out, out
+    assert "offline=unset accelerator=none" in out, out  # only -e/-s and what Jobs sets
     assert "code is read-only" in out and "pip: already there" in out, out
-    assert "http://10.233.0.1:8000 served" in out and "http://10.233.0.1:8001 unreachable" in out, out
+    port_8000, port_8001 = re.findall(r"^http://10\.233\.0\.1:\d+ with: (.*) without: (\S+)$", out, re.M)
+    assert port_8000[1] == "401" and port_8001[1] == "401", out  # the gateway: no HF bearer, no entry
+    assert ("Authorization" in json.loads(port_8000[0])) == (mode == "forward"), out
+    assert port_8001[0] == "502", out  # bound to 127.0.0.1: the gateway cannot reach it
     assert (tmp_path / "hub" / "buckets" / "alice" / "b" / "out.txt").read_text() == "written\n"
+    got = subprocess.run(["curl", "-s", "-H", "Authorization: Bearer hf_emulated_token", outside + "/x"],
+                         capture_output=True, text=True, timeout=30).stdout
+    assert json.loads(got)["Host"], got
     # the standard library only in a python:* image; :ro buckets refuse writes; a missing package fails pip
     for image, volume, cmd in [("python:3.12-slim", [], "python3 -c 'import requests'"),
-                               ("vllm/vllm-openai:v0.33.0", ["-v", "hf://buckets/alice/b:/bucket:ro"], "touch /bucket/y"),
-                               ("vllm/vllm-openai:v0.33.0", [], "pip install -q no-such-package-xyz==1.0")]:
+                               ("vllm/vllm-openai:v0.32.0", ["-v", "hf://buckets/alice/b:/bucket:ro"], "touch /bucket/y"),
+                               ("vllm/vllm-openai:v0.32.0", [], "pip install -q no-such-package-xyz==1.0")]:
         jid = job_id(hf(env, "jobs", "run", "--detach", *volume, image, "bash", "-c", cmd))
         assert wait_stage(env, jid) == "ERROR", (cmd, job_log(env, jid))
     assert hf(env, "jobs", "cancel", server).returncode == 0
     assert wait_stage(env, server) == "CANCELED"
 
 
-def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
+def test_a_read_only_mount_shows_another_jobs_file_late(hf_jobs):
+    env = dict(hf_jobs, HF_EMU_MOUNT_LAG="3 4")
+    assert hf(env, "buckets", "create", "alice/lag", "--exist-ok").returncode == 0
+    reader = job_id(hf(env, "jobs", "run", "--detach", "-v", "hf://buckets/alice/lag:/b:ro", "python:3.12-slim",
+                       "bash", "-c", "until [ -f /b/f ]; do sleep 0.2; done; echo seen $(date +%s.%N)"))
+    writer = job_id(hf(env, "jobs", "run", "--detach", "-v", "hf://buckets/alice/lag:/b", "python:3.12-slim",
+                       "bash", "-c", "echo x > /b/f; cat /b/f; echo wrote $(date +%s.%N)"))
+    assert wait_stage(env, writer) == "COMPLETED" and wait_stage(env, reader) == "COMPLETED"
+    wrote = float(job_log(env, writer).split("wrote ")[1])
+    seen = float(job_log(env, reader).split("seen ")[1])
+    assert 2.5 < seen - wrote < 8, (wrote, seen)  # the writer sees its own write at once ("x" above)
+    assert "x" in job_log(env, writer)
+
+
+@pytest.mark.parametrize("gateway", ["forward", "strip"])
+def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name, gateway):
+    """The whole run behind the strict gateway, whether it passes Authorization on or strips it:
+    the roles' own credentials travel in X-Proxy-Token. The replica's bucket view lags 1-3 s."""
+    offline = "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false"
     env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy", STEPS="6",
                REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2", MAX_NEW_TOKENS="6", MAX_STALENESS="2",
-               LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="3", ENGINE="hf", TIMEOUT="15m")
+               LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="3", ENGINE="hf", TIMEOUT="15m",
+               JOB_ENV=offline, HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="1 3", STARTUP_TIMEOUT="120")
     res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt")) as f:
@@ -123,7 +178,7 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
     while time.time() < deadline:
         status = subprocess.run(jobs_sh("status"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         stages = {line.split()[0]: line.split()[2] for line in status.stdout.splitlines()}
-        if "RUNNING" not in stages.values() or "ERROR" in stages.values():
+        if not {"SCHEDULING", "RUNNING"} & set(stages.values()) or "ERROR" in stages.values():
             break
         time.sleep(2)
     logs = {role: job_log(env, jid)[-3000:] for role, jid in jobs.items()}
@@ -135,3 +190,25 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
         assert json.load(f)["version"] >= 1
     follow = subprocess.run(jobs_sh("logs", "trainer"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "step 6" in follow.stdout, follow.stdout[-2000:] + follow.stderr
+
+
+@pytest.mark.parametrize("gateway", ["forward", "strip"])
+def test_preflight_answers_each_question_on_emulated_jobs(hf_jobs, hf_run_name, gateway):
+    env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/pre", HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="2 3")
+    t0 = time.time()
+    res = subprocess.run(jobs_sh("preflight"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert time.time() - t0 < 120, "preflight must take under 2 minutes"
+    verdicts = [line for line in res.stdout.splitlines() if line.startswith("[preflight] ")]
+    text = "\n".join(verdicts)
+    assert "reachable with the HF token (GATEWAY_TOKEN if set): yes" in text, text
+    assert "without a token: refused" in text, text
+    assert ("Authorization reaches the container: yes, intact" in text) == (gateway == "forward"), text
+    assert ("Authorization reaches the container: no: the gateway removes it" in text) == (gateway == "strip")
+    assert "X-Proxy-Token reaches the container: yes, intact" in text, text
+    lag = float(re.search(r"bucket: the file job 2 wrote was seen by job 1 after ([0-9.]+) s", text).group(1))
+    assert 1.5 < lag < 10, text  # HF_EMU_MOUNT_LAG 2-3 s
+    assert "hf_emulated_token" not in res.stdout + res.stderr  # the token is never printed
+    jobs = [line.split() for line in open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt"))]
+    assert [r for r, _ in jobs] == ["serve", "write"]
+    assert all(wait_stage(env, jid) == "CANCELED" for _, jid in jobs)

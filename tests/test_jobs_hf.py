@@ -7,10 +7,12 @@ launch carries and how jobs.sh handles failures. tests/test_jobs_emulated.py run
 for real, through the real CLI. Every jobs.sh here runs under bash 3.2's `set -u` rule (conftest).
 """
 
+import http.server
 import os
 import re
 import shlex
 import subprocess
+import threading
 
 import pytest
 from conftest import ROOT, jobs_sh
@@ -18,6 +20,10 @@ from conftest import ROOT, jobs_sh
 STAND_IN = r"""#!/usr/bin/env bash
 # stand-in for the hf CLI: record the call, answer like huggingface_hub 2.4's
 printf '%q ' "$@" >> "$HF_STANDIN_LOG"; echo >> "$HF_STANDIN_LOG"
+if [ "$1 ${2:-}" = "jobs run" ] && [ -n "${HF_STANDIN_ENV:-}" ]; then  # the values --secrets would read
+  for k in $HF_STANDIN_ENV; do printf '%s ' "${!k:-}"; done >> "${HF_STANDIN_LOG%/*}/hf-env.log"
+  echo >> "${HF_STANDIN_LOG%/*}/hf-env.log"
+fi
 case "$1 ${2:-}" in
   "version ")
     printf '%s\n' "${HF_STANDIN_VERSION:-✓ hf version
@@ -32,7 +38,9 @@ case "$1 ${2:-}" in
   "auth token") echo hf_standin_token ;;
   "jobs inspect")
     id=${!#}
-    if [ "$3 $4" = "--format json" ]; then echo '[{"id": "'"$id"'", "status": {"stage": "RUNNING", "message": null}}]'
+    urls=null; [ -z "${HF_STANDIN_URL:-}" ] || urls="[\"$HF_STANDIN_URL\"]"
+    if [ "$3 $4" = "--format json" ]; then
+      echo '[{"id": "'"$id"'", "status": {"stage": "'"${HF_STANDIN_STAGE:-RUNNING}"'", "message": null, "expose_urls": '"$urls"'}}]'
     else printf 'ID                       STATUS\n%s {stage: RUNNING}\n' "$id"; fi ;;
   "jobs cancel")
     if [ "$3" = "${HF_STANDIN_FAIL_CANCEL:-}" ]; then echo "Error: 500 Internal Server Error" >&2; exit 1; fi ;;
@@ -41,6 +49,33 @@ esac
 CONTRACT_FLAGS = ["--num-generations", "--groups-per-step", "--max-staleness", "--temperature",
                   "--max-new-tokens", "--max-completion-length", "--prompts-per-batch", "--sync-every",
                   "--zero-variance"]
+
+
+class Gateway(http.server.BaseHTTPRequestHandler):
+    """The proxy job behind the Jobs gateway, as jobs.sh's health check meets it: /healthz answers
+    200 only with the user's HF token as a bearer (401 otherwise). Records each request's headers."""
+
+    seen = []
+
+    def do_GET(self):
+        Gateway.seen.append(dict(self.headers))
+        ok = self.path == "/healthz" and self.headers.get("Authorization") == "Bearer hf_standin_token"
+        self.send_response(200 if ok else 401)
+        self.end_headers()
+        self.wfile.write(b'{"ok": true}' if ok else b"401 Unauthorized")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(autouse=True)
+def gateway():
+    """URL of a Gateway on 127.0.0.1: the stand-in's `jobs inspect` shows it as the expose URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Gateway.seen, Gateway.url = [], f"http://127.0.0.1:{server.server_address[1]}"
+    yield Gateway.url
+    server.shutdown()
 
 
 def run_jobs(tmp_path, *args, **env_extra):
@@ -53,8 +88,11 @@ def run_jobs(tmp_path, *args, **env_extra):
     log = tmp_path / "hf-calls.log"
     if log.exists():
         log.unlink()
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_STANDIN_LOG=str(log), **env_extra)
-    env.pop("HF_TOKEN", None)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_STANDIN_LOG=str(log),
+               HF_STANDIN_URL=Gateway.url)
+    for k in ("HF_TOKEN", "GATEWAY_TOKEN", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY"):
+        env.pop(k, None)
+    env.update(env_extra)
     res = subprocess.run(jobs_sh(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     calls = [shlex.split(line) for line in log.read_text().splitlines()] if log.exists() else []
     return res, calls
@@ -73,50 +111,67 @@ def recorded_ids(name):
         return [line.split() for line in f]
 
 
-def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name):
+def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
     name = hf_run_name
     res, calls = run_jobs(tmp_path, NAME=name, BUCKET="alice/grpo-bucket", REPLICAS="2",
-                          ROLLOUT_FLAVOR="a10g-small", TRAINER_FLAVOR="a100-large")
+                          ROLLOUT_FLAVOR="a10g-small", TRAINER_FLAVOR="a100-large",
+                          HF_STANDIN_URL=gateway, JOB_ENV="HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2")
     assert res.returncode == 0, res.stderr + res.stdout
     assert calls[0] == ["version"]  # the CLI's version is checked before anything else
     assert ["buckets", "create", "alice/grpo-bucket", "--private", "--exist-ok"] in calls
     runs = job_runs(calls)
     assert len(runs) == 4, runs  # proxy, 2 replicas, trainer
     proxy, r0, r1, trainer = runs
+    # the replicas and the trainer start only once the proxy answered /healthz through the gateway
+    first_other = calls.index(r0)
+    assert ["jobs", "inspect", "--format", "json", proxy_job_id(res)] in calls[calls.index(proxy):first_other]
+    assert [h.get("Authorization") for h in Gateway.seen] == ["Bearer hf_standin_token"]
+    secrets = {}
     for c, role in zip(runs, ["proxy", "rollout-0", "rollout-1", "trainer"]):
-        assert "--detach" in c and value_after(c, "--secrets") == ["HF_TOKEN"]
-        assert value_after(c, "--name") == [f"{name}-{role}"]
+        assert "--detach" in c and value_after(c, "--name") == [f"{name}-{role}"]
+        secrets[role] = value_after(c, "--secrets")
+        assert all("=" not in s for s in secrets[role]), c  # names only: the values stay off argv
+        for e in ["HF_HOME=/tmp/hf", "PYTHONUNBUFFERED=1", "HF_HUB_OFFLINE=1", "OMP_NUM_THREADS=2"]:
+            assert e in value_after(c, "-e"), (e, c)
         assert any(v.endswith(":/code") for v in value_after(c, "-v")), c  # code shipped as a volume
-        assert c[-3:-1] == ["bash", "-c"]
+        assert c[-5:-3] == ["--", c[-4]] and c[-3:-1] == ["bash", "-c"]  # `--` before the image
         # the images link python3 only: never a bare `python`
         assert "exec python3 " in c[-1] and not re.search(r"\bpython\b(?!3)", c[-1]), c[-1]
+    # least privilege: only the trainer holds the trainer's token, the state key and the HF token
+    assert secrets == {"proxy": ["PROXY_TOKEN", "ROLLOUT_TOKEN"],
+                       "rollout-0": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN"],
+                       "rollout-1": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN"],
+                       "trainer": ["PROXY_TOKEN", "TRAINER_STATE_KEY", "GATEWAY_TOKEN", "HF_TOKEN"]}
+    kept = dict(line.split("=", 1) for line in open(os.path.join(ROOT, "runs", name, "secrets.env")).read().split())
+    assert sorted(kept) == ["PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY"]
+    assert len(set(kept.values())) == 3 and all(re.fullmatch("[0-9a-f]{32}", v) for v in kept.values())
+    assert os.stat(os.path.join(ROOT, "runs", name, "secrets.env")).st_mode & 0o777 == 0o600
+    assert not [c for c in calls if any(v in " ".join(c) for v in kept.values())]  # in no argv
 
-    # the proxy: CPU flavour, port exposed, bound to 0.0.0.0, token from the HF token secret, and
-    # the whole contract, at the GPU experiment's defaults; nothing to install in python:3.12-slim
+    # the proxy: CPU flavour, port exposed, bound to 0.0.0.0, and the whole contract, at the GPU
+    # experiment's defaults; nothing to install in python:3.12-slim
     assert value_after(proxy, "--flavor") == ["cpu-basic"] and value_after(proxy, "--expose") == ["8000"]
     assert proxy[-4] == "python:3.12-slim" and "pip install" not in proxy[-1]
-    assert "--host 0.0.0.0 --port 8000" in proxy[-1] and "PROXY_TOKEN=$HF_TOKEN" in proxy[-1]
+    assert "--host 0.0.0.0 --port 8000" in proxy[-1] and "HF_TOKEN" not in proxy[-1]
     for flag in ["--num-generations 8", "--groups-per-step 16", "--max-staleness 4", "--temperature 1.0",
                  "--max-new-tokens 256", "--zero-variance keep"]:
         assert flag in proxy[-1], (flag, proxy[-1])
 
-    # its job id, as the stand-in printed it, makes the URL the others are given
-    proxy_id = re.search(r"proxy: ([0-9a-f]{24})", res.stdout).group(1)
-    url = f"https://{proxy_id}--8000.hf.jobs"
+    # the exposed URL `hf jobs inspect` showed is the one the others are given
     for i, c in enumerate([r0, r1]):
         assert value_after(c, "--flavor") == ["a10g-small"]
         assert "hf://buckets/alice/grpo-bucket:/bucket:ro" in value_after(c, "-v")  # read-only
-        assert c[-4].startswith("vllm/vllm-openai:")
+        assert c[-4] == "vllm/vllm-openai:v0.32.0"
         cmd = c[-1]
-        assert "rollout.py" in cmd and f"--proxy {url}" in cmd and f"--replica-id {i}" in cmd
+        assert "rollout.py" in cmd and f"--proxy {gateway}" in cmd and f"--replica-id {i}" in cmd
         assert f"--bucket /bucket/{name}" in cmd and "--num-replicas 2" in cmd
         assert "--model Qwen/Qwen2.5-0.5B-Instruct" in cmd and "--task gsm8k" in cmd
     assert value_after(trainer, "--flavor") == ["a100-large"]
     assert "hf://buckets/alice/grpo-bucket:/bucket" in value_after(trainer, "-v")  # read-write
-    assert "trainer.py" in trainer[-1] and f"--proxy {url}" in trainer[-1] and "--max-steps 200" in trainer[-1]
+    assert "trainer.py" in trainer[-1] and f"--proxy {gateway}" in trainer[-1] and "--max-steps 200" in trainer[-1]
     for c in [r0, r1, trainer]:  # the contract reaches them through the proxy's /config only
         assert not [f for f in CONTRACT_FLAGS if f in c[-1]], c[-1]
-        assert c[-1].startswith("pip install ") and "/code/requirements.txt" in c[-1]
+        assert c[-1].startswith("python3 -m pip install ") and "/code/requirements.txt" in c[-1]
 
     # the package list the jobs install: requirements.txt without torch (the image's) and gguf
     pkgs = re.search(r"\$\((.*?)\) &&", r0[-1]).group(1).replace("/code/", ROOT + "/")
@@ -127,13 +182,43 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name):
     # runs/.last-hf and jobs.txt; status reads `hf jobs inspect --format json`; stop cancels all
     assert open(os.path.join(ROOT, "runs", ".last-hf")).read().strip() == name
     ids = [i for _, i in recorded_ids(name)]
-    assert len(set(ids)) == 4 and ids[0] == proxy_id
+    assert len(set(ids)) == 4 and ids[0] == proxy_job_id(res)
     res, calls = run_jobs(tmp_path, "status", NAME=name)
     assert res.returncode == 0 and res.stdout.count("RUNNING") == 4, res.stdout + res.stderr
     assert [c for c in calls if c[:2] == ["jobs", "inspect"]] == [["jobs", "inspect", "--format", "json", i] for i in ids]
     res, calls = run_jobs(tmp_path, "stop", NAME=name)
     assert res.returncode == 0, res.stderr
     assert [c for c in calls if c[:2] == ["jobs", "cancel"]] == [["jobs", "cancel", i] for i in ids]
+
+
+def proxy_job_id(res):
+    return re.search(r"proxy: ([0-9a-f]{24})", res.stdout).group(1)
+
+
+def test_hf_jobs_replicas_get_their_own_bound_credential(tmp_path, hf_run_name, gateway):
+    """Each replica's ROLLOUT_TOKEN (read by `--secrets ROLLOUT_TOKEN` from the environment of
+    `hf`) is the run's replica secret bound to its worker name; the proxy gets the secret itself."""
+    import proxy
+
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", REPLICAS="2",
+                          HF_STANDIN_ENV="ROLLOUT_TOKEN PROXY_TOKEN GATEWAY_TOKEN")
+    assert res.returncode == 0, res.stderr
+    kept = dict(line.split("=", 1) for line in open(os.path.join(ROOT, "runs", hf_run_name, "secrets.env")).read().split())
+    env_seen = [line.split() for line in (tmp_path / "hf-env.log").read_text().splitlines()]
+    assert env_seen[0] == [kept["ROLLOUT_TOKEN"], kept["PROXY_TOKEN"], "hf_standin_token"]  # proxy
+    for i in range(2):
+        assert env_seen[1 + i][0] == proxy.replica_token(kept["ROLLOUT_TOKEN"], f"replica-{i}")
+
+
+@pytest.mark.parametrize("stage, message", [
+    ("RUNNING", "did not answer"),  # the gateway keeps answering 401: the wrong token
+    ("ERROR", "ended (ERROR) before it answered")])
+def test_hf_jobs_launch_stops_when_the_proxy_never_answers(tmp_path, hf_run_name, stage, message):
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", STARTUP_TIMEOUT="3",
+                          HF_STANDIN_URL="http://127.0.0.1:9", HF_STANDIN_STAGE=stage)
+    assert res.returncode != 0 and message in res.stderr, res.stderr
+    assert len(job_runs(calls)) == 1  # the proxy only: nothing else started
+    assert [c[2] for c in calls if c[:2] == ["jobs", "cancel"]] == [i for _, i in recorded_ids(hf_run_name)]
 
 
 def test_hf_jobs_stop_cancels_every_job_when_one_cancel_fails(tmp_path, hf_run_name):
@@ -176,6 +261,13 @@ def test_hf_jobs_dry_run_prints_the_gpu_experiment_and_runs_nothing(tmp_path, hf
     printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
     assert len(printed) == 3 and "--expose 8000" in printed[0]  # proxy, 1 replica, trainer
     assert all("exec python3 " in p for p in printed)
+    # the start-up order and each job's secrets (names; the values stay in runs/NAME/secrets.env)
+    steps = [line for line in res.stderr.splitlines() if line.startswith("[jobs] ")]
+    assert steps == ["[jobs] proxy: secrets PROXY_TOKEN ROLLOUT_TOKEN",
+                     "[jobs] then: wait for RUNNING and GET https://<proxy-job-id>--8000.hf.jobs/healthz "
+                     "(Authorization: Bearer $GATEWAY_TOKEN)",
+                     "[jobs] rollout-0: secrets ROLLOUT_TOKEN GATEWAY_TOKEN",
+                     "[jobs] trainer: secrets PROXY_TOKEN TRAINER_STATE_KEY GATEWAY_TOKEN HF_TOKEN"], steps
 
 
 def test_hf_jobs_s3_bucket_dry_run(tmp_path, hf_run_name):

@@ -223,7 +223,7 @@ def test_cli_pushes_groups_to_the_proxy(tiny_model, adapters, proxy_url, tmp_pat
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-2000:]
     print(first + out)
-    assert "engine: hf (asked for with --engine)" in out
+    assert "engine: hf on cpu (asked for with --engine)" in out
     assert "adapter v0 loaded" in out and out.count("] batch ") == 2
     stats = proxy.ProxyClient(proxy_url).stats()
     assert stats["accepted"] == 6 and stats["rejected"] == 0 and "replica-0" in stats["workers"]  # 2 x 3
@@ -404,3 +404,42 @@ def test_eval_base_accuracy_is_cached(tiny_model, tmp_path, capsys):
     os.utime(os.path.join(tiny_model, "config.json"))  # the model folder changed: another model
     lines, _ = run_base_eval(tiny_model, cache, capsys)
     assert "(cached)" not in lines[-1] and len(os.listdir(cache)) == 3
+
+
+# A torch with CUDA and one GPU, as far as the availability checks go: torch's own functions, with
+# the two probes under them answered here. The CUDA driver's probe (cudaGetDeviceCount, which runs
+# cuInit and so poisons fork) is recorded; NVML's is not (it leaves CUDA uninitialised).
+CUDA_PROBE = """
+import json, os, sys
+seen = {}
+
+class Watch:  # records the environment the moment anything first imports torch
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "env" not in seen:
+            seen["env"] = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+        return None
+
+sys.meta_path.insert(0, Watch())
+import rollout
+import torch
+
+cuinit = []
+torch.cuda._is_compiled = lambda: True  # a CUDA build
+torch.cuda._device_count_nvml = lambda: 1  # NVML sees one GPU
+torch._C._cuda_getDeviceCount = lambda: cuinit.append(1) or 1  # the driver's probe: cuInit
+engine = rollout.pick_engine("auto")
+print(json.dumps(dict(engine=engine[0], env_at_torch_import=seen.get("env"), cuinit=len(cuinit),
+                      initialized=torch.cuda.is_initialized())))
+"""
+
+
+def test_auto_engine_leaves_cuda_uninitialised_for_vllms_fork():
+    """vLLM forks its EngineCore unless torch.cuda.is_initialized(); a cuInit before that (the
+    driver's availability probe) kills the child on a GPU. pick_engine must ask NVML instead, and
+    rollout.py must set that before torch is imported: checked in a fresh replica process."""
+    env = {k: v for k, v in ENV.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    res = subprocess.run([sys.executable, "-c", CUDA_PROBE], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"engine": "vllm", "env_at_torch_import": "1", "cuinit": 0, "initialized": False}, got
