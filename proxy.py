@@ -19,7 +19,7 @@ replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name (--
 
     python proxy.py --port 8000 --num-generations 8 --groups-per-step 16 --max-staleness 4   # local
     PROXY_TOKEN=t ROLLOUT_TOKEN=r python proxy.py --host 0.0.0.0 ...   # exposed: the trainer's, the replicas' token
-    python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q; python tests/bench_proxy.py
+    python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q; python bench/bench_proxy.py
 """
 
 import argparse
@@ -87,7 +87,7 @@ def replica_worker(secret, got):
     return worker if ok else None
 
 
-# ---- validation: pure functions, also used by tests/bench_proxy.py ---------------------------
+# ---- validation: pure functions, also used by bench/bench_proxy.py ---------------------------
 
 # The JSON schema, one row per field: (test, what the value must be). Any other field is refused, so
 # that a NaN cannot ride along. Each log-prob gets its own check in validate_group().

@@ -18,7 +18,7 @@ read from it is checked, and a value that does not fit is a BucketError, never a
     python sync.py push runs/bucket ./my-adapter --version 3
     python sync.py pull s3://my-bucket/run1 ./adapters     # newest -> ./adapters/v000003
     python sync.py metrics runs/bucket | tail -n 3         # the trainer's step records, as JSON lines
-    python -m pytest tests/test_sync.py -q ; python tests/bench_sync.py
+    python -m pytest tests/test_sync.py -q ; python bench/bench_sync.py
 """
 
 import argparse

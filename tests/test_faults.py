@@ -1,9 +1,9 @@
 """Faults (issue 7): any role can die, the run goes on and loses nothing it should keep.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_faults.py -q -s
-    python tests/chaos.py --minutes 10 --seed 0      # the same harness, killing at random for minutes
+    python bench/chaos.py --minutes 10 --seed 0      # the same harness, killing at random for minutes
 
-Real processes on 127.0.0.1 (tests/chaos.py's LocalSystem: proxy.py, two `rollout.py --engine hf
+Real processes on 127.0.0.1 (bench/chaos.py's LocalSystem: proxy.py, two `rollout.py --engine hf
 --task toy` replicas and trainer.py on the tiny model, a directory bucket), killed with SIGKILL.
 Tests 1-4 share one running system, in file order, so that its start (~20 s) is paid once; each
 test starts from every role alive and ends by checking that none died on its own.

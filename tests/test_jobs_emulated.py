@@ -1,6 +1,6 @@
 """`bash jobs.sh` on emulated Hugging Face Jobs: every job runs, as jobs.sh writes it, as a local process.
 
-The `hf` first on PATH is tests/hf_jobs_emulator.py: huggingface_hub's real CLI, with the Hub's side
+The `hf` first on PATH is bench/hf_jobs_emulator.py: huggingface_hub's real CLI, with the Hub's side
 of Jobs and Buckets answered on this machine (its docstring lists what is emulated and how). A job
 runs chrooted with its volumes at their mount points (`:ro` read-only, and late to show another
 job's writes), only its -e/-s/--secrets environment, `python3` but no `python` on PATH, after a
@@ -25,7 +25,7 @@ import pytest
 import sync
 from conftest import ROOT, jobs_sh
 
-EMULATOR = os.path.join(ROOT, "tests", "hf_jobs_emulator.py")
+EMULATOR = os.path.join(ROOT, "bench", "hf_jobs_emulator.py")
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 (time and peak memory), and the proof that the memory of the log-prob computation is bounded by
 one micro-batch, not by vocab x sequence x batch.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_trainer.py                 # tiny model + SmolLM2-135M
-    .venv/bin/python tests/bench_trainer.py --only throughput --smollm2 ''   # the tiny model only
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_trainer.py                 # tiny model + SmolLM2-135M
+    .venv/bin/python bench/bench_trainer.py --only throughput --smollm2 ''   # the tiny model only
 
 SmolLM2-135M-Instruct is read from --smollm2 (build it offline with
 `python scripts/offline_smollm2.py runs/models/smollm2-135m-instruct`). Every measurement runs in a

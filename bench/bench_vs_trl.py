@@ -1,9 +1,9 @@
 """Benchmark: TRL's GRPOTrainer and this project's `bash jobs.sh --local`, side by side, one after the other.
 
-    .venv/bin/python tests/bench_vs_trl.py                           # the race: ~30 min on 2 cores
-    .venv/bin/python tests/bench_vs_trl.py --steps 2 --eval-limit 8  # a smoke run of the whole path, ~5 min
-    .venv/bin/python tests/bench_vs_trl.py --skip-trl                # ours again; TRL's side from its JSON
-    .venv/bin/python tests/bench_vs_trl.py --check-update 4          # same batches, same update? ~3 min
+    .venv/bin/python bench/bench_vs_trl.py                           # the race: ~30 min on 2 cores
+    .venv/bin/python bench/bench_vs_trl.py --steps 2 --eval-limit 8  # a smoke run of the whole path, ~5 min
+    .venv/bin/python bench/bench_vs_trl.py --skip-trl                # ours again; TRL's side from its JSON
+    .venv/bin/python bench/bench_vs_trl.py --check-update 4          # same batches, same update? ~3 min
 
 1. TRL 1.16 `GRPOTrainer` in a venv of its own (runs/.venv-trl, created once from pinned versions:
    trl==1.16.0 with .venv's torch, transformers and peft), one process with 2 threads, generation
@@ -173,7 +173,7 @@ def ensure_model(path, wait_s=1200):
 
 # ----------------------------------------------------------------------------- TRL's side
 
-TRL_SCRIPT = r'''"""TRL's GRPOTrainer on rollout.py's task; written and started by tests/bench_vs_trl.py."""
+TRL_SCRIPT = r'''"""TRL's GRPOTrainer on rollout.py's task; written and started by bench/bench_vs_trl.py."""
 import json, os, sys, time
 
 cfg = json.loads(sys.argv[1])

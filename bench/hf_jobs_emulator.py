@@ -1,6 +1,6 @@
 """A stand-in `hf` for tests: huggingface_hub's real CLI, with the Hub's side of Jobs answered here.
 
-    HF_EMU_DIR=/tmp/emu python tests/hf_jobs_emulator.py jobs run --detach ... IMAGE bash -c '...'
+    HF_EMU_DIR=/tmp/emu python bench/hf_jobs_emulator.py jobs run --detach ... IMAGE bash -c '...'
 
 tests/test_jobs_emulated.py puts an `hf` that runs this file first on PATH, then runs `bash jobs.sh`.
 The real CLI (huggingface_hub in .venv) parses every argument, so an option or volume spec it
@@ -14,7 +14,7 @@ How a job runs (Linux, as root, with mount and network namespaces):
    when the job is submitted (as `hf jobs run` uploads it) and mounted read-only, as on Jobs. A
    bucket mounted read-write is the bucket's folder itself; one mounted `:ro` is a read-only view
    that shows each file another job writes after a delay drawn from HF_EMU_MOUNT_LAG (default
-   "10 30" seconds; tests/bench_propagation.py's Mirror), like hf-mount's polled metadata. (Two
+   "10 30" seconds; bench/bench_propagation.py's Mirror), like hf-mount's polled metadata. (Two
    read-write mounts of one bucket see each other at once: kinder than the platform.)
 2. Environment: only what -e/-s/--secrets give, plus what Jobs sets (JOB_ID, ACCELERATOR,
    CPU_CORES, MEMORY) and the image's HOME and PATH: nothing of this machine's, so a test that
@@ -385,7 +385,7 @@ def start_gateway(spec):
 
 def start_views(spec, jobdir):
     """Each `:ro` bucket mount becomes a view of the bucket's folder that lags (module docstring)."""
-    from bench_propagation import Mirror  # tests/: the mount that lags like hf-mount
+    from bench_propagation import Mirror  # bench/: the mount that lags like hf-mount
 
     lag = [float(x) for x in os.environ.get("HF_EMU_MOUNT_LAG", "10 30").split()]
     mirrors = []

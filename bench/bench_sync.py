@@ -1,7 +1,7 @@
 """Benchmark: publish -> visible -> pulled latency of an adapter through sync.py.
 
-    .venv/bin/python tests/bench_sync.py                 # 1 MB and 20 MB, dir and S3, 5 runs each
-    .venv/bin/python tests/bench_sync.py --repeats 9 --sizes 1 20 100
+    .venv/bin/python bench/bench_sync.py                 # 1 MB and 20 MB, dir and S3, 5 runs each
+    .venv/bin/python bench/bench_sync.py --repeats 9 --sizes 1 20 100
 
 For each backend and size, the trainer side publishes a fresh version (random weights) while a
 replica thread polls latest_version every 5 ms; as soon as it sees the version it pulls and

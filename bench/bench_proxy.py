@@ -7,9 +7,9 @@ proxy.py's validation and buffer code (so the ratio measures the HTTP layer alon
 measured in turns, level by level. The groups fit proxy.py's default contract (G 8, 256 tokens).
 Not collected by pytest (no test_ prefix); FastAPI and uvicorn are benchmark-only dependencies.
 
-    .venv/bin/python tests/bench_proxy.py                    # ~1 minute
-    .venv/bin/python tests/bench_proxy.py --seconds 10 --clients 1 8 32 64
-    .venv/bin/python tests/bench_proxy.py --post-size       # a real POST against --max-body-mb
+    .venv/bin/python bench/bench_proxy.py                    # ~1 minute
+    .venv/bin/python bench/bench_proxy.py --seconds 10 --clients 1 8 32 64
+    .venv/bin/python bench/bench_proxy.py --post-size       # a real POST against --max-body-mb
 """
 
 import argparse

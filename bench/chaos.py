@@ -1,8 +1,8 @@
 """Chaos run: a whole local system (proxy + 2 replicas + trainer on the tiny model, toy task) while
 random roles are SIGKILLed at random moments and restarted with the same command (seeded).
 
-    python tests/chaos.py --minutes 10 --seed 0          # directory bucket
-    python tests/chaos.py --minutes 3 --seed 1 --s3      # s3://... on a moto_server of its own
+    python bench/chaos.py --minutes 10 --seed 0          # directory bucket
+    python bench/chaos.py --minutes 3 --seed 1 --s3      # s3://... on a moto_server of its own
 
 At the end (and after every kill) it checks the invariants of issue 7 and prints a summary:
   - no adapter version is published twice ("published vN" lines of every trainer run, strictly

@@ -1,10 +1,10 @@
 """Benchmark: the async speed-up, side by side: one workload with --max-staleness 0 (synchronous
 GRPO, the replica waits for every new adapter) and with --max-staleness 2.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_async.py                    # tiny model: ~3 min
-    .venv/bin/python tests/bench_async.py --steps 30 --staleness 0 1 2 4
-    .venv/bin/python tests/bench_async.py --replicas 2 --staleness 2 --max-new-tokens 16   # the proxy feeds 2
-    .venv/bin/python tests/bench_async.py --code /tmp/before                   # another checkout's role files
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py                    # tiny model: ~3 min
+    .venv/bin/python bench/bench_async.py --steps 30 --staleness 0 1 2 4
+    .venv/bin/python bench/bench_async.py --replicas 2 --staleness 2 --max-new-tokens 16   # the proxy feeds 2
+    .venv/bin/python bench/bench_async.py --code /tmp/before                   # another checkout's role files
 
 Each run starts `python proxy.py` (the run's settings), --replicas `rollout.py --engine hf` replicas
 and `trainer.py` as subprocesses (one thread each: on a 2-core machine, 1 replica + 1 trainer is the

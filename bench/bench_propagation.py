@@ -1,8 +1,8 @@
 """Benchmark: how fast a published adapter reaches the replicas on each bucket path (a directory, a
 mounted bucket that lags like hf-mount, S3), and how many requests the replicas make meanwhile.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/bench_propagation.py          # 5 runs, ~8 min on 2 idle cores
-    .venv/bin/python tests/bench_propagation.py --runs mount:4:20 mount:0:4 --lag 10 30 --replicas 1
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_propagation.py          # 5 runs, ~8 min on 2 idle cores
+    .venv/bin/python bench/bench_propagation.py --runs mount:4:20 mount:0:4 --lag 10 30 --replicas 1
 
 Each run is a whole local system: `python proxy.py` (the run's contract, as jobs.sh gives it), --replicas
 `rollout.py --engine hf --task toy` replicas and `trainer.py` on the tiny model (tests/tiny_model.py),
