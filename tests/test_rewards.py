@@ -19,6 +19,7 @@ import time
 import pytest
 
 import rollout
+import tasks
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SAMPLE = os.path.join(DATA, "gsm8k_sample.jsonl")
@@ -34,20 +35,20 @@ def test_gsm8k_reference_answers_score_themselves():
     rows = gsm8k_rows()
     assert len(rows) >= 20
     for row in rows:
-        ref = rollout.gsm8k_reference(row["answer"])
+        ref = tasks.gsm8k_reference(row["answer"])
         # the worked solution ends in "#### N": its last number is N itself
-        assert rollout.number_reward(row["answer"], ref) == 1.0, row["answer"][-40:]
+        assert tasks.number_reward(row["answer"], ref) == 1.0, row["answer"][-40:]
         # and a solution that ends one off is wrong
-        assert rollout.number_reward(f"so it is {rollout.last_number(ref) + 1}", ref) == 0.0
+        assert tasks.number_reward(f"so it is {tasks.last_number(ref) + 1}", ref) == 0.0
 
 
 def test_gsm8k_references_with_commas_and_signs():
-    refs = {rollout.gsm8k_reference(r["answer"]) for r in gsm8k_rows()}
+    refs = {tasks.gsm8k_reference(r["answer"]) for r in gsm8k_rows()}
     assert {"18", "2,125", "114,200", "1,080", "-7"} <= refs
-    assert rollout.number_reward("That makes 2125 in total.", "2,125") == 1.0
-    assert rollout.number_reward("That makes 2,125 in total.", "2,125") == 1.0
-    assert rollout.number_reward("She lost 7, so the change is -7.", "-7") == 1.0
-    assert rollout.number_reward("She lost 7.", "-7") == 0.0
+    assert tasks.number_reward("That makes 2125 in total.", "2,125") == 1.0
+    assert tasks.number_reward("That makes 2,125 in total.", "2,125") == 1.0
+    assert tasks.number_reward("She lost 7, so the change is -7.", "-7") == 1.0
+    assert tasks.number_reward("She lost 7.", "-7") == 0.0
 
 
 @pytest.mark.parametrize("completion, reference, expected", [
@@ -64,63 +65,63 @@ def test_gsm8k_references_with_commas_and_signs():
     ("1.5 hours", "1.5", 1.0),
 ])
 def test_number_reward_tricky_completions(completion, reference, expected):
-    assert rollout.number_reward(completion, reference) == expected
+    assert tasks.number_reward(completion, reference) == expected
 
 
 def test_last_number():
-    assert rollout.last_number("The answer is 1,234.") == 1234.0
-    assert rollout.last_number("no number at all") is None
-    assert rollout.last_number("from 3-4") == 4.0  # a range, not minus four
+    assert tasks.last_number("The answer is 1,234.") == 1234.0
+    assert tasks.last_number("no number at all") is None
+    assert tasks.last_number("from 3-4") == 4.0  # a range, not minus four
 
 
 def test_toy_reward():
-    assert rollout.reward("toy", "7", None) == 1.0
-    assert rollout.reward("toy", "x7y", None) == 1.0
-    assert rollout.reward("toy", "1234568", None) == 0.0
-    assert rollout.reward("toy", "77", {"answer": "7"}) == 1.0
+    assert tasks.reward("toy", "7", None) == 1.0
+    assert tasks.reward("toy", "x7y", None) == 1.0
+    assert tasks.reward("toy", "1234568", None) == 0.0
+    assert tasks.reward("toy", "77", {"answer": "7"}) == 1.0
 
 
 def test_gsm8k_items_from_a_local_file_and_folder(tmp_path):
-    items = rollout.load_task("gsm8k", "test", SAMPLE)
+    items = tasks.load_task("gsm8k", "test", SAMPLE)
     assert len(items) == len(gsm8k_rows())
     assert items[0]["answer"] == "18" and items[0]["question"].startswith("Janet")
     (tmp_path / "test.jsonl").write_text("".join(open(SAMPLE).readlines()[:3]))
-    assert len(rollout.load_task("gsm8k", "test", str(tmp_path))) == 3
+    assert len(tasks.load_task("gsm8k", "test", str(tmp_path))) == 3
 
 
 def test_arith_test_split_is_held_out():
-    train, test = rollout.load_task("arith", "train"), rollout.load_task("arith", "test")
+    train, test = tasks.load_task("arith", "train"), tasks.load_task("arith", "test")
     assert len(train) + len(test) == 21 * 21
     assert 70 <= len(test) <= 110  # one pair in five
     train_q, test_q = {i["question"] for i in train}, {i["question"] for i in test}
     assert not train_q & test_q
     for item in test:
         a, b = map(int, item["question"][len("What is "):-1].split(" + "))
-        assert rollout.arith_is_test(a, b) and int(item["answer"]) == a + b
+        assert tasks.arith_is_test(a, b) and int(item["answer"]) == a + b
     # unseen pairs, not unseen answers: the held-out sums end in any digit, as the training sums do
     assert {int(i["answer"]) % 10 for i in test} == {int(i["answer"]) % 10 for i in train} == set(range(10))
     assert sum(int(i["answer"]) % 5 == 0 for i in test) < len(test) / 2
     # the order is fixed, whatever the seed: --limit always picks the same problems
-    assert [i["question"] for i in rollout.load_task("arith", "test")] == [i["question"] for i in test]
+    assert [i["question"] for i in tasks.load_task("arith", "test")] == [i["question"] for i in test]
 
 
 def test_arith_reward():
     item = {"question": "What is 12 + 9?", "answer": "21"}
-    assert rollout.reward("arith", "12 + 9 = 21", item) == 1.0
-    assert rollout.reward("arith", "The sum of 12 and 9 is 21.", item) == 1.0
-    assert rollout.reward("arith", "12 + 9", item) == 0.0
+    assert tasks.reward("arith", "12 + 9 = 21", item) == 1.0
+    assert tasks.reward("arith", "The sum of 12 and 9 is 21.", item) == 1.0
+    assert tasks.reward("arith", "12 + 9", item) == 0.0
 
 
 def test_sharding_differs_per_replica():
     n = 100
-    take = lambda rid, k: list(itertools.islice(rollout.shard_order(n, 0, rid, 2), k))  # noqa: E731
+    take = lambda rid, k: list(itertools.islice(tasks.shard_order(n, 0, rid, 2), k))  # noqa: E731
     a, b = take(0, 200), take(1, 200)
     assert set(a[:50]) == set(range(0, n, 2)) and set(b[:50]) == set(range(1, n, 2))  # disjoint slices
     assert a[:50] != a[50:100]  # reshuffled every epoch
     # one replica of one still walks a different order for another seed
-    assert take(0, n) != list(itertools.islice(rollout.shard_order(n, 1, 0, 1), n))
+    assert take(0, n) != list(itertools.islice(tasks.shard_order(n, 1, 0, 1), n))
     # the toy task has one prompt: every replica uses it
-    assert set(itertools.islice(rollout.shard_order(1, 0, 3, 4), 5)) == {0}
+    assert set(itertools.islice(tasks.shard_order(1, 0, 3, 4), 5)) == {0}
 
 
 def test_vllm_rank_rounding():
@@ -139,10 +140,10 @@ def test_math_sample_solutions_score_themselves():
     assert len(rows) >= 50 and {"problem", "solution", "answer"} <= set(rows[0])
     for row in rows:
         # the worked solution's last \boxed{} is the short answer, as mathematics
-        assert rollout.math_reward(row["solution"], row["answer"]) == 1.0, row["answer"]
-        assert rollout.math_reward(f"So it is $\\boxed{{{row['answer']}}}$.", row["answer"]) == 1.0
+        assert tasks.math_reward(row["solution"], row["answer"]) == 1.0, row["answer"]
+        assert tasks.math_reward(f"So it is $\\boxed{{{row['answer']}}}$.", row["answer"]) == 1.0
         # and a box with another number is wrong, for every one of them
-        assert rollout.math_reward(r"It is \boxed{12345}.", row["answer"]) == 0.0, row["answer"]
+        assert tasks.math_reward(r"It is \boxed{12345}.", row["answer"]) == 0.0, row["answer"]
 
 
 @pytest.mark.parametrize("completion, reference, expected", [
@@ -175,7 +176,7 @@ def test_math_sample_solutions_score_themselves():
     (r"It is \boxed{2}. No wait: \boxed{3}", "2", 0.0),
 ])
 def test_math_reward_equivalent_answers(completion, reference, expected):
-    assert rollout.math_reward(completion, reference) == expected
+    assert tasks.math_reward(completion, reference) == expected
 
 
 @pytest.mark.parametrize("completion", [
@@ -187,15 +188,15 @@ def test_math_reward_equivalent_answers(completion, reference, expected):
 ])
 def test_math_reward_malformed_output_is_zero(completion):
     t0 = time.time()
-    assert rollout.math_reward(completion, "2") == 0.0
-    assert time.time() - t0 < rollout.MATH_SCORER.timeout_s + 5
+    assert tasks.math_reward(completion, "2") == 0.0
+    assert time.time() - t0 < tasks.MATH_SCORER.timeout_s + 5
 
 
 def test_last_boxed():
-    assert rollout.last_boxed(r"a \boxed{\frac{1}{2}} b") == r"\frac{1}{2}"
-    assert rollout.last_boxed(r"\boxed{1} then \boxed{\{2, 3\}}") == r"\{2, 3\}"
-    assert rollout.last_boxed(r"\boxed{1} then \boxed{2") is None  # the last one never closed
-    assert rollout.last_boxed("no box") is None and rollout.last_boxed(r"\boxed{}") == ""
+    assert tasks.last_boxed(r"a \boxed{\frac{1}{2}} b") == r"\frac{1}{2}"
+    assert tasks.last_boxed(r"\boxed{1} then \boxed{\{2, 3\}}") == r"\{2, 3\}"
+    assert tasks.last_boxed(r"\boxed{1} then \boxed{2") is None  # the last one never closed
+    assert tasks.last_boxed("no box") is None and tasks.last_boxed(r"\boxed{}") == ""
 
 
 def test_math_reward_in_threads():
@@ -205,7 +206,7 @@ def test_math_reward_in_threads():
     got = {}
 
     def score(i, completion, reference):
-        got[i] = rollout.math_reward(completion, reference)
+        got[i] = tasks.math_reward(completion, reference)
 
     threads = [threading.Thread(target=score, args=(i, *c[:2])) for i, c in enumerate(cases)]
     for t in threads:
@@ -218,7 +219,7 @@ def test_math_reward_in_threads():
 def test_math_scorer_kills_a_stuck_check():
     """An answer math-verify takes seconds on (a power tower) gets 0.0 after the scorer's limit,
     not after math-verify's own 5 s; the next answer is scored by a fresh process."""
-    scorer = rollout.MathScorer(timeout_s=1.0)
+    scorer = tasks.MathScorer(timeout_s=1.0)
     assert scorer(r"\frac12", "0.5") == 1.0  # started
     first = scorer.proc.pid
     t0 = time.time()
@@ -232,23 +233,23 @@ def test_math_scorer_kills_a_stuck_check():
 
 
 def test_math_items_from_a_file_a_folder_and_solutions_only(tmp_path):
-    items = rollout.load_task("math", "test", MATH_SAMPLE)
+    items = tasks.load_task("math", "test", MATH_SAMPLE)
     rows = math_rows()
     assert [i["answer"] for i in items] == [r["answer"] for r in rows]
     assert items[2]["question"].startswith(rows[2]["problem"])
     assert items[2]["question"].endswith(r"put your final answer within \boxed{}.")
     with open(MATH_SAMPLE) as f:
         (tmp_path / "train.jsonl").write_text("".join(f.readlines()[:3]))
-    assert len(rollout.load_task("math", "train", str(tmp_path))) == 3
+    assert len(tasks.load_task("math", "train", str(tmp_path))) == 3
     # the MATH release (and the hub copy) has no short answer: the solution's last \boxed{} is it
     lighteval = tmp_path / "lighteval.jsonl"
     lighteval.write_text("".join(json.dumps({"problem": r["problem"], "level": r["level"],
                                              "type": r["subject"], "solution": r["solution"]})
                                  + "\n" for r in rows))
-    assert [i["answer"] for i in rollout.load_task("math", "test", str(lighteval))] == \
-        [rollout.last_boxed(r["solution"]) for r in rows]
-    assert all(rollout.math_reward(r["solution"], i["answer"]) == 1.0
-               for r, i in zip(rows, rollout.load_task("math", "test", str(lighteval))))
+    assert [i["answer"] for i in tasks.load_task("math", "test", str(lighteval))] == \
+        [tasks.last_boxed(r["solution"]) for r in rows]
+    assert all(tasks.math_reward(r["solution"], i["answer"]) == 1.0
+               for r, i in zip(rows, tasks.load_task("math", "test", str(lighteval))))
 
 
 @pytest.mark.parametrize("line, says", [
@@ -260,7 +261,7 @@ def test_math_rows_without_an_answer_are_named(tmp_path, line, says):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"problem": "2+2?", "answer": "4"}\n' + line + "\n")
     with pytest.raises(ValueError, match=says):
-        rollout.load_task("math", "test", str(path))
+        tasks.load_task("math", "test", str(path))
 
 
 def test_cli_eval_math(tiny_model, tmp_path):
@@ -280,4 +281,4 @@ def test_cli_eval_math(tiny_model, tmp_path):
     assert result["task"] == "math" and result["n"] == 4
     assert [x["answer"] for x in result["results"]] == [r["answer"] for r in math_rows()[:4]]
     assert [x["correct"] for x in result["results"]] == \
-        [rollout.math_reward(x["completion"], x["answer"]) for x in result["results"]]
+        [tasks.math_reward(x["completion"], x["answer"]) for x in result["results"]]
