@@ -473,11 +473,11 @@ def test_quota_at_staleness_0_is_one_batch_per_version_shared_by_two_replicas(pr
     assert answer["groups"] == 0 and "load a newer adapter" in answer["why"]  # max_staleness 0: v0 is too old now
     for v in range(1, 4):  # both replicas known: each makes its share, together exactly one batch
         made = {}
-        for w, client in [("r1", r1), ("r2", r2), ("r1", r1), ("r2", r2)]:
+        for i, (w, client) in enumerate([("r1", r1), ("r2", r2), ("r1", r1), ("r2", r2)]):
             n = client.quota(w, v, 100, timeout=0)["groups"]
-            client.post_rollouts(groups_for(w, v, n, f"v{v}")) if n else None
+            client.post_rollouts(groups_for(w, v, n, f"v{v}-{i}")) if n else None
             made[w] = made.get(w, 0) + n
-        assert sorted(made.values()) == [2, 3], made  # ceil(5 / 2) at most each
+        assert sum(made.values()) == 5 and min(made.values()) >= 1, made  # the split follows speed
         batch = trainer.get_batch(5, timeout=0)["groups"]
         assert len(batch) == 5 and {g["policy_version"] for g in batch} == {v}
         trainer.set_version(v + 1)
