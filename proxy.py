@@ -429,9 +429,12 @@ class RolloutBuffer:
             t0 = self.trainer_version  # a replica asks again once its last groups are out: its lease ends, but
             self.leases[worker] = Lease(0, time.monotonic() + timeout + self.lease_timeout, version)  # it asks
             self.cond.notify_all()
-            self.cond.wait_for(lambda: self.done or self.closed or self.trainer_version != t0
-                               or (t0 is not None and version < t0)  # a newer adapter to load: at once
-                               or self._quota(worker, version, most)[0] > 0, timeout)
+            ready = lambda: (self.done or self.closed or self.trainer_version != t0  # noqa: E731
+                             or (t0 is not None and version < t0)  # a newer adapter to load: at once
+                             or self._quota(worker, version, most)[0] > 0)
+            deadline = time.monotonic() + timeout
+            while not ready() and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(min(left, 0.5))  # another's lease may expire meanwhile: look again
             if self.done:
                 self.told_done.add(worker)
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
