@@ -177,7 +177,7 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
     stages, deadline = {}, time.time() + 600
     while time.time() < deadline:
         status = subprocess.run(jobs_sh("status"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        stages = {line.split()[0]: line.split()[2] for line in status.stdout.splitlines()}
+        stages = {w[0]: w[2] for line in status.stdout.splitlines() if (w := line.split()) and w[0] in jobs}
         if not {"SCHEDULING", "RUNNING"} & set(stages.values()) or "ERROR" in stages.values():
             break
         time.sleep(2)
