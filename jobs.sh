@@ -23,12 +23,13 @@ pool_size() {  # REPLICAS := the number of flavors in ROLLOUT_FLAVORS, each chec
   local w n=0
   set -f
   for w in $ROLLOUT_FLAVORS; do
-    case $w in *[!a-z0-9-]*) die "ROLLOUT_FLAVORS: '$w' is not a flavor name ('hf jobs hardware')" ;; esac
+    case $w in *[!a-z0-9-]*)
+      die "ROLLOUT_FLAVORS: '$w' is not a flavor name (see 'hf jobs hardware')" ;; esac
     n=$((n + 1))
   done
   set +f
-  [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = $n ] || die "REPLICAS=$REPLICAS, but ROLLOUT_FLAVORS names $n" \
-    "flavors: drop REPLICAS (ROLLOUT_FLAVORS makes one replica per flavor)"
+  [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = $n ] || die "REPLICAS=$REPLICAS, but ROLLOUT_FLAVORS" \
+    "names $n flavors: drop REPLICAS (ROLLOUT_FLAVORS makes one replica per flavor)"
   REPLICAS=$n
 }
 
@@ -203,7 +204,7 @@ save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; q
   http_get "$1/stats" "X-Proxy-Token: $PROXY_TOKEN" "$RUN/stats.json.part" &&
     mv "$RUN/stats.json.part" "$RUN/stats.json" || true
 }
-replica_flavor() {  # I — replica I's flavor: the I-th word of ROLLOUT_FLAVORS, else ROLLOUT_FLAVOR
+replica_flavor() {  # I — replica I's flavor: word I of ROLLOUT_FLAVORS, else ROLLOUT_FLAVOR
   local i=$1
   [ -n "${ROLLOUT_FLAVORS:-}" ] || { echo "$ROLLOUT_FLAVOR"; return; }
   set -f; set -- $ROLLOUT_FLAVORS; set +f
@@ -585,7 +586,8 @@ pool_shares() {  # each replica's share of a step, from the proxy's /stats: thro
   local id url token
   id=$(awk '$1 == "proxy" {print $2}' "$RUN/jobs.txt")
   token=$(sed -n 's/^PROXY_TOKEN=//p' "$RUN/secrets.env" 2>/dev/null | head -1)
-  [ -n "$id" ] && [ -n "$token" ] || { echo "replicas: no proxy job or $RUN/secrets.env" >&2; return; }
+  if [ -z "$id" ] || [ -z "$token" ]; then
+    echo "replicas: no proxy job or no $RUN/secrets.env" >&2; return; fi
   hf_token; [ -n "${GATEWAY_TOKEN:-}" ] || GATEWAY_TOKEN=$HF_TOKEN
   read -r _ url <<<"$(proxy_info "$id") "
   url=${url:-https://$id--8000.hf.jobs}
@@ -598,7 +600,7 @@ Authorization: Bearer $GATEWAY_TOKEN" "$RUN/stats.json.part"; then
 import json, sys
 s = json.load(open(sys.argv[1]))
 reps, counts = s.get("replicas") or {}, s.get("workers") or {}
-print(f"\nreplicas (proxy /stats, trainer v{s.get('trainer_version')}; share: of each step, by speed)")
+print(f"\nreplicas (proxy /stats, trainer v{s.get('trainer_version')}; share: of a step, by speed)")
 print(f"  {'worker':<14}{'share':>7}{'groups/s':>10}{'leased':>8}{'accepted':>10}{'delivered':>11}"
       f"{'stale':>7}{'over_quota':>12}")
 for w in sorted(set(reps) | set(counts)):

@@ -213,7 +213,7 @@ class RolloutBuffer:
         self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
         self.done, self.closed, self.started = False, False, time.time()
         self.leases = {}  # worker -> Lease (n 0: asking)
-        self.pace = {}  # worker -> seconds per group it delivered lately (a moving average), see _share()
+        self.pace = {}  # worker -> seconds per group it delivered lately (a moving average), see _shares()
         self.told_done, self.last_request = set(), time.monotonic()  # for main(): who heard "done", and when last
         self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
@@ -371,8 +371,8 @@ class RolloutBuffer:
         per step; groups made now with v are used at trainer versions up to v + S, and are wanted only one
         step ahead (t + 1: the batch the trainer takes when its current step ends). So the proxy asks for
         the groups of steps t .. min(v + S, t + 1), less those this step already took, those buffered and
-        those leased to other replicas. Each replica asking gets at most its share of a step (_share: in
-        proportion to its measured speed); a lease counts as coming until _expiry (its own pace)."""
+        those leased to other replicas. Each replica asking gets at most its share of a step (_shares: by
+        its measured speed); a lease counts as coming until _expiry (its own pace)."""
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
@@ -387,7 +387,7 @@ class RolloutBuffer:
                        f"{leased} leased to other replicas)")
         if c["zero_variance"] == "drop" and self.recent_usable:  # only this share of the groups will be kept
             lack = math.ceil(lack / max(0.05, sum(self.recent_usable) / len(self.recent_usable)))
-        return min(most, lack, max(1, round(B * self._share(worker, now)))), None
+        return min(most, lack, max(1, round(B * self._shares(now, worker)[worker]))), None
 
     def _delivered(self, worker):
         """One group of `worker`'s lease arrived; its last one measures the replica's pace."""
@@ -397,17 +397,23 @@ class RolloutBuffer:
             sample = (time.monotonic() - lease.since) / lease.given
             self.pace[worker] = sample if worker not in self.pace else (self.pace[worker] + sample) / 2
 
-    def _share(self, worker, now):
-        """The fraction of a step `worker` may make: its measured speed (groups per second) over the
-        speed of the replicas holding live leases, so that they all finish together and no slow
-        replica's share is what the trainer waits for. An unmeasured replica counts at the mean speed
-        of the measured ones; it gets one group to measure itself on when others are measured."""
-        live = {w for w, lease in self.leases.items() if lease.until > now} | {worker}
+    def _shares(self, now, asking=None):
+        """{worker: the fraction of a step it may make} for the replicas with live leases, from their
+        measured speed (groups per second). At max_staleness 0 the step waits for every lease: a
+        replica's speed over their sum, so that all finish together. Above, the trainer waits for no
+        lease in particular: the fastest replica takes a whole step (as a batching engine likes it),
+        the others the part their speed makes in the same time, so a slow one holds back little.
+        Unmeasured: one group to measure itself on once others are measured; equal shares before."""
+        live = {w for w, lease in self.leases.items() if lease.until > now} | ({asking} - {None})
         speed = {w: 1 / max(self.pace[w], 1e-6) for w in live if w in self.pace}
-        if worker not in speed:
-            return 1 / len(live) if not speed else 0.0  # the first rounds: equal shares
-        mean = sum(speed.values()) / len(speed)
-        return speed[worker] / (sum(speed.values()) + mean * (len(live) - len(speed)))
+        if not speed:
+            return dict.fromkeys(live, 1 / max(1, len(live)))  # the first rounds
+        unmeasured = len(live) - len(speed)
+        if self.contract["max_staleness"] == 0:
+            whole = sum(speed.values()) * (1 + unmeasured / len(speed))  # the unmeasured: at the mean
+        else:
+            whole = max(speed.values())
+        return {w: speed.get(w, 0.0) / whole for w in live}
 
     def _expiry(self, worker, n, now):
         """When a lease of n groups stops counting as coming: 3x the time the replica's own pace
@@ -457,9 +463,9 @@ class RolloutBuffer:
             return {**self.counts, "buffered": len(self.groups), "buffered_mb": round(self.nbytes / 2**20, 1),
                     "waiting": max(0, self.waiting - len(self.groups)),  # groups a blocked trainer still lacks
                     "leased": {w: l.n for w, l in self.leases.items() if l.until > now and l.n > 0},
-                    "replicas": {w: {"share": round(self._share(w, now), 3), "leased": max(0, l.n),
+                    "replicas": {w: {"share": round(share, 3), "leased": max(0, self.leases[w].n),
                                      "groups_per_s": round(1 / self.pace[w], 3) if w in self.pace else None}
-                                 for w, l in self.leases.items() if l.until > now},
+                                 for w, share in self._shares(now).items()},
                     "unconfirmed": sum(len(gs) for gs, _ in self.unconfirmed.values()),
                     "trainer_version": self.trainer_version, "state": self.state(), "max_groups": self.max_groups,
                     "contract": self.contract, "staleness": {str(k): v for k, v in sorted(self.staleness.items()) if v},

@@ -56,7 +56,7 @@ class Gateway(http.server.BaseHTTPRequestHandler):
     """The proxy job behind the Jobs gateway, as jobs.sh's health check meets it: /healthz answers
     200 only with the user's HF token as a bearer (401 otherwise). Records each request's headers."""
 
-    seen, stats, token = [], None, None  # stats: what /stats answers the trainer's X-Proxy-Token (a test sets it)
+    seen, stats, token = [], None, None  # stats: /stats's answer to the X-Proxy-Token `token`
 
     def do_GET(self):
         Gateway.seen.append(dict(self.headers))
@@ -78,7 +78,8 @@ def gateway():
     """URL of a Gateway on 127.0.0.1: the stand-in's `jobs inspect` shows it as the expose URL."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    Gateway.seen, Gateway.stats, Gateway.url = [], None, f"http://127.0.0.1:{server.server_address[1]}"
+    Gateway.seen, Gateway.stats = [], None
+    Gateway.url = f"http://127.0.0.1:{server.server_address[1]}"
     yield Gateway.url
     server.shutdown()
 
@@ -201,7 +202,7 @@ def proxy_job_id(res):
     return re.search(r"proxy: ([0-9a-f]{24})", res.stdout).group(1)
 
 
-def test_hf_jobs_launches_a_mixed_pool_and_status_shows_each_replicas_share(tmp_path, hf_run_name, gateway):
+def test_hf_jobs_launches_a_mixed_pool_and_status_shows_each_replicas_share(tmp_path, hf_run_name):
     flavors = ["a10g-small", "l4x1", "t4-small"]
     res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", ROLLOUT_FLAVOR="a100-large",
                           ROLLOUT_FLAVORS=" ".join(flavors))
@@ -221,10 +222,12 @@ def test_hf_jobs_launches_a_mixed_pool_and_status_shows_each_replicas_share(tmp_
         "replica-0": {"share": 0.6, "leased": 9, "groups_per_s": 3.0},
         "replica-1": {"share": 0.3, "leased": 5, "groups_per_s": 1.5},
         "replica-2": {"share": 0.1, "leased": 1, "groups_per_s": 0.5}},
-        "workers": {"replica-0": {"accepted": 60, "delivered": 58, "dropped_stale": 0, "over_quota": 0}}}
+        "workers": {"replica-0": {"accepted": 60, "delivered": 58, "dropped_stale": 0,
+                                  "over_quota": 0}}}
     res, calls = run_jobs(tmp_path, "status", NAME=hf_run_name)
     assert res.returncode == 0 and res.stdout.count("RUNNING") == 5, res.stdout + res.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in res.stdout.splitlines() if "replica-" in line}
+    words = [line.split() for line in res.stdout.splitlines()]
+    rows = {w[0]: w[1:] for w in words if w and w[0].startswith("replica-")}
     assert rows == {"replica-0": ["0.600", "3.000", "9", "60", "58", "0", "0"],
                     "replica-1": ["0.300", "1.500", "5", "0", "0", "0", "0"],
                     "replica-2": ["0.100", "0.500", "1", "0", "0", "0", "0"]}, res.stdout
