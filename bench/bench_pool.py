@@ -136,7 +136,8 @@ def print_table(rows, opts):
     alone = rows[0]
     t_train, t_gen = alone["T_train"], alone["T_gen"]
     equal = next((r for r in rows if r["label"] == "+ equal"), None)
-    lines = [f"{'':<30}" + "".join(f"{r['label']:>14}" for r in rows)]
+    lines = [f"{'':<30}" + "".join(f"{r['label']:>14}" if len(r["label"]) < 14 else " " + r["label"]
+                                   for r in rows)]
 
     def row(label, fmt):
         lines.append(f"{label:<30}" + "".join(f"{fmt(r):>14}" for r in rows))
