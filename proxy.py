@@ -48,7 +48,7 @@ MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-LEASE_FLOOR_S = 2.0  # a measured replica's lease counts as coming for >= this, and 3x its expected time
+LEASE_FLOOR_S = 2.0  # a measured replica's lease counts as coming >= this (and 3x its own pace)
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")  # total, per worker
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
           "/batch": "GET", "/version": "POST", "/done": "POST"}
@@ -213,7 +213,7 @@ class RolloutBuffer:
         self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
         self.done, self.closed, self.started = False, False, time.time()
         self.leases = {}  # worker -> Lease (n 0: asking)
-        self.pace = {}  # worker -> seconds per group it delivered lately (a moving average), see _shares()
+        self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
         self.told_done, self.last_request = set(), time.monotonic()  # for main(): who heard "done", and when last
         self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
@@ -371,8 +371,8 @@ class RolloutBuffer:
         per step; groups made now with v are used at trainer versions up to v + S, and are wanted only one
         step ahead (t + 1: the batch the trainer takes when its current step ends). So the proxy asks for
         the groups of steps t .. min(v + S, t + 1), less those this step already took, those buffered and
-        those leased to other replicas. Each replica asking gets at most its share of a step (_shares: by
-        its measured speed); a lease counts as coming until _expiry (its own pace)."""
+        those leased to other replicas. Each replica asking gets at most its share of a step
+        (_shares: by its measured speed); a lease counts as coming until _expiry (its own pace)."""
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
@@ -395,22 +395,24 @@ class RolloutBuffer:
         lease.n -= 1
         if lease.n == 0 and lease.given > 0:  # seconds per group, from the lease to its last group
             sample = (time.monotonic() - lease.since) / lease.given
-            self.pace[worker] = sample if worker not in self.pace else (self.pace[worker] + sample) / 2
+            old = self.pace.get(worker, sample)
+            self.pace[worker] = (old + sample) / 2
 
     def _shares(self, now, asking=None):
-        """{worker: the fraction of a step it may make} for the replicas with live leases, from their
-        measured speed (groups per second). At max_staleness 0 the step waits for every lease: a
-        replica's speed over their sum, so that all finish together. Above, the trainer waits for no
-        lease in particular: the fastest replica takes a whole step (as a batching engine likes it),
-        the others the part their speed makes in the same time, so a slow one holds back little.
-        Unmeasured: one group to measure itself on once others are measured; equal shares before."""
+        """{worker: the fraction of a step it may make} for the replicas with live leases, from
+        their measured speed (groups per second). At max_staleness 0 the step waits for every
+        lease: a replica's speed over their sum, so that all finish together. Above, the trainer
+        waits for no lease in particular: the fastest replica takes a whole step (as a batching
+        engine likes it), the others the part their speed makes in the same time, so a slow one
+        holds back little. Unmeasured: one group to measure itself on once others are measured;
+        equal shares before."""
         live = {w for w, lease in self.leases.items() if lease.until > now} | ({asking} - {None})
         speed = {w: 1 / max(self.pace[w], 1e-6) for w in live if w in self.pace}
         if not speed:
             return dict.fromkeys(live, 1 / max(1, len(live)))  # the first rounds
         unmeasured = len(live) - len(speed)
         if self.contract["max_staleness"] == 0:
-            whole = sum(speed.values()) * (1 + unmeasured / len(speed))  # the unmeasured: at the mean
+            whole = sum(speed.values()) * (1 + unmeasured / len(speed))  # unmeasured: the mean
         else:
             whole = max(speed.values())
         return {w: speed.get(w, 0.0) / whole for w in live}
@@ -433,10 +435,11 @@ class RolloutBuffer:
                     raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one expires "
                                    "(--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
             t0 = self.trainer_version  # a replica asks again once its last groups are out: its lease ends, but
-            self.leases[worker] = Lease(0, time.monotonic() + timeout + self.lease_timeout, version)  # it asks
+            until = time.monotonic() + timeout + self.lease_timeout
+            self.leases[worker] = Lease(0, until, version)  # it asks
             self.cond.notify_all()
             ready = lambda: (self.done or self.closed or self.trainer_version != t0  # noqa: E731
-                             or (t0 is not None and version < t0)  # a newer adapter to load: at once
+                             or (t0 is not None and version < t0)  # a newer adapter: at once
                              or self._quota(worker, version, most)[0] > 0)
             deadline = time.monotonic() + timeout
             while not ready() and (left := deadline - time.monotonic()) > 0:
@@ -464,8 +467,8 @@ class RolloutBuffer:
                     "waiting": max(0, self.waiting - len(self.groups)),  # groups a blocked trainer still lacks
                     "leased": {w: l.n for w, l in self.leases.items() if l.until > now and l.n > 0},
                     "replicas": {w: {"share": round(share, 3), "leased": max(0, self.leases[w].n),
-                                     "groups_per_s": round(1 / self.pace[w], 3) if w in self.pace else None}
-                                 for w, share in self._shares(now).items()},
+                                     "groups_per_s": round(1 / self.pace[w], 3) if w in self.pace
+                                     else None} for w, share in self._shares(now).items()},
                     "unconfirmed": sum(len(gs) for gs, _ in self.unconfirmed.values()),
                     "trainer_version": self.trainer_version, "state": self.state(), "max_groups": self.max_groups,
                     "contract": self.contract, "staleness": {str(k): v for k, v in sorted(self.staleness.items()) if v},
