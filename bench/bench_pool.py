@@ -13,7 +13,7 @@ core (two cores cannot host two engines of different speed). Rows:
   seconds per step     wall / measured steps; the trainer idle is its wait_s / wall
   replica-i share      replica i's groups among those the proxy accepted in the measured steps
   replica-i idle       1 - (generation seconds of its batches that ended in the window) / wall
-  dropped              groups stale on arrival + over quota (a killed replica's lost lease is neither)
+  dropped              groups stale on arrival + over quota (a killed replica's lease is neither)
   bound                the fastest step the pool allows: max(T_train, B / sum of replica rates), the
                        rates (groups per generation second) measured in that run, T_train from the
                        fast-alone run; "of bound" is bound / seconds per step
@@ -54,15 +54,16 @@ def slow_replica(k, argv):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = p.add_argument
-    a("--slowdowns", type=float, nargs="*", default=[2, 4, 8], help="k of each fast + k x slower column")
-    a("--kill-every", type=int, default=5, help="SIGKILL the second replica mid-lease every N steps (0: no "
-      "kill columns)")
+    a("--slowdowns", type=float, nargs="*", default=[2, 4, 8],
+      help="k of each fast + k x slower column")
+    a("--kill-every", type=int, default=5,
+      help="SIGKILL the second replica mid-lease every N steps (0: no kill columns)")
     a("--staleness", type=int, default=2, help="the proxy's --max-staleness")
     a("--steps", type=int, default=12, help="trainer steps measured per run")
     a("--warmup", type=int, default=3, help="trainer steps before the measured ones (model loads)")
     a("--groups", type=int, default=8, help="groups per trainer step, B")
     a("--num-generations", type=int, default=8, help="G")
-    a("--max-new-tokens", type=int, default=64, help="completion length: sets T_gen against T_train")
+    a("--max-new-tokens", type=int, default=64, help="completion length: T_gen against T_train")
     a("--model", help="base model folder (default: the tiny test model, built into --out)")
     a("--task", default="toy")
     a("--out", default="/tmp/bench_pool", help="work folder (emptied first)")
@@ -85,7 +86,8 @@ def killer(every, warmup, kills):
                 deadline = time.time() + 10
                 while time.time() < deadline:  # mid-lease: groups leased to it, not yet delivered
                     try:
-                        leased = json.load(urllib.request.urlopen(url + "/stats", timeout=5))["leased"]
+                        answer = urllib.request.urlopen(url + "/stats", timeout=5)
+                        leased = json.load(answer)["leased"]
                     except (OSError, ValueError):  # the proxy busy or ending: look again
                         leased = {}
                     if leased.get("replica-1", 0) > 0:
@@ -113,8 +115,8 @@ def column(opts, label, slow=None, kill=False):
     kills = []
     run_dir = os.path.join(opts.out, label.replace(" ", "_").replace("+", "plus"))
     during = killer(opts.kill_every, opts.warmup, kills) if kill else None
-    run = ba.run_system(o, opts.staleness, os.path.join(run_dir, "bucket"), run_dir, replica=replica,
-                        during=during)
+    run = ba.run_system(o, opts.staleness, os.path.join(run_dir, "bucket"), run_dir,
+                        replica=replica, during=during)
     s = ba.summarize(run, opts.warmup, opts.steps, opts.num_generations)
     m = {r["step"]: r for r in run["metrics"]}
     t0, t1 = m[opts.warmup]["time"], m[opts.warmup + opts.steps]["time"]
@@ -124,7 +126,8 @@ def column(opts, label, slow=None, kill=False):
         name = f"replica-{i}"
         mine = [b for b in window if b["replica"] == name]
         gen = sum(b["gen_s"] for b in mine)
-        per[name] = {"share": sum(b["accepted"] for b in mine) / total, "idle": max(0.0, 1 - gen / (t1 - t0)),
+        per[name] = {"share": sum(b["accepted"] for b in mine) / total,
+                     "idle": max(0.0, 1 - gen / (t1 - t0)),
                      "rate": sum(b["accepted"] for b in mine) / gen if gen else 0.0}
     s.update(label=label, per=per, kills=len([k for k in kills if t0 < k <= t1]),
              over_quota=run["stats"]["over_quota"])
@@ -143,13 +146,15 @@ def print_table(rows, opts):
         lines.append(f"{label:<30}" + "".join(f"{fmt(r):>14}" for r in rows))
 
     for r in rows:
-        r["bound"] = max(t_train, opts.groups / max(1e-9, sum(p["rate"] for p in r["per"].values())))
+        rate = sum(p["rate"] for p in r["per"].values())  # groups per second, all replicas
+        r["bound"] = max(t_train, opts.groups / max(1e-9, rate))
     row("seconds per step", lambda r: f"{r['step_s']:.3f}")
     row("vs fast alone", lambda r: f"{alone['step_s'] / r['step_s']:.2f}x")
     row("trainer idle", lambda r: f"{r['trainer_idle']:.1%}")
     for i in range(2):
         name = f"replica-{i}"
-        row(f"{name} share", lambda r: f"{r['per'][name]['share']:.1%}" if name in r["per"] else "-")
+        row(f"{name} share", lambda r: f"{r['per'][name]['share']:.1%}" if name in r["per"]
+            else "-")
         row(f"{name} idle", lambda r: f"{r['per'][name]['idle']:.1%}" if name in r["per"] else "-")
     row("groups dropped (stale+over)", lambda r: f"{r['dropped']}+{r['over_quota']}")
     row("bound s/step", lambda r: f"{r['bound']:.3f}")
@@ -160,8 +165,8 @@ def print_table(rows, opts):
     row("load average before/after", lambda r: f"{r['load'][0]}/{r['load'][1]}")
     row("CPU of other processes", lambda r: f"{r['other_cpu']:.2f}")
     print("\n".join(lines))
-    print(f"\nfast alone: T_train {t_train:.3f} s, T_gen {t_gen:.3f} s per step (the generation time a "
-          f"kill is measured against)")
+    print(f"\nfast alone: T_train {t_train:.3f} s, T_gen {t_gen:.3f} s per step (the generation "
+          "time a kill is measured against)")
 
 
 def main():
@@ -175,8 +180,8 @@ def main():
 
         opts.model = tiny_model.build(os.path.join(opts.out, "tiny"))
     print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, B={opts.groups}, "
-          f"--max-new-tokens {opts.max_new_tokens}, --max-staleness {opts.staleness}; {opts.warmup} warm-up + "
-          f"{opts.steps} measured steps; {os.cpu_count()} CPUs", flush=True)
+          f"--max-new-tokens {opts.max_new_tokens}, --max-staleness {opts.staleness}; "
+          f"{opts.warmup} warm-up + {opts.steps} measured steps; {os.cpu_count()} CPUs", flush=True)
     plan = [("fast alone", None, False)] + [(f"+ {k:g}x slower", k, False) for k in opts.slowdowns]
     if opts.kill_every:
         plan += [("+ equal", 1, False), ("+ equal killed", 1, True)]
