@@ -565,6 +565,24 @@ def test_the_quota_follows_each_replicas_speed_a_slow_one_never_holds_the_traine
     assert s["replicas"]["fast"]["groups_per_s"] > 2 * s["replicas"]["slow"]["groups_per_s"]
 
 
+def test_above_staleness_0_the_fastest_replica_takes_whole_steps_and_a_slow_one_a_little(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=8)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    for worker, pace in (("fast", 0.02), ("slow", 0.16)):  # 8x slower
+        threading.Thread(target=replica_loop, args=(url, worker, pace, stop), daemon=True).start()
+    try:
+        for step in range(8):
+            assert len(trainer.get_batch(8, timeout=30)["groups"]) == 8
+            trainer.set_version(step + 1)
+        s = trainer.stats()
+    finally:
+        stop.set()
+    shares, made = s["replicas"], {w: c["accepted"] for w, c in s["workers"].items()}
+    assert shares["fast"]["share"] == 1.0 and 0.05 < shares["slow"]["share"] < 0.3, shares
+    assert made["fast"] > 4 * made["slow"] > 0, made  # 8 groups per lease at most, the slow one ~1
+
+
 def test_a_dead_replicas_lease_is_lost_in_seconds_and_its_groups_made_by_the_others(proxy):
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=4,
                    lease_timeout=120.0)
