@@ -750,7 +750,8 @@ def main(argv=None):
       "groups at full length, ~64 bytes a token: 2.5 at the default contract)")
     a("--request-timeout", type=float, default=30.0, help="seconds a whole request may take to arrive")
     a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
-    a("--lease-timeout", type=float, default=120.0, help="seconds a replica's quota counts as coming")
+    a("--lease-timeout", type=float, default=120.0, help="most seconds a replica's lease counts as "
+      "coming: 3x its measured pace (>= 2 s) once it delivered, this until then")
     a("--linger", type=float, default=60.0, help="after /done, exit once replicas were told or after this many idle s")
     a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's token, sent as X-Proxy-Token "
       "(default: $PROXY_TOKEN)")
