@@ -67,7 +67,7 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   elif [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
   else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
 fi
-: "${DATA:=}"                       # gsm8k: local JSONL instead of the hub's openai/gsm8k
+: "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
 : "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
