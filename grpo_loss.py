@@ -6,8 +6,8 @@ The first test file checks every function against numbers worked out by hand; th
 few dozen GRPO steps on the tiny test model and checks that a toy reward goes from ~0 to ~1.
 
 The names are TRL's (`GRPOTrainer._compute_loss` in huggingface/trl, trl/trainer/grpo_trainer.py):
-`epsilon`, `epsilon_high`, `delta`, `beta`, `loss_type`, `scale_rewards`, `max_completion_length`,
-so a reader who knows TRL can check this file against it line by line.
+`epsilon`, `epsilon_high`, `delta`, `beta`, `use_bias_correction_kl`, `loss_type`, `scale_rewards`,
+`max_completion_length`, so a reader who knows TRL can check this file against it line by line.
 
 Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3), and from TRL:
 1. No KL term by default (`beta=0.0`, TRL's default too). The paper uses beta = 0.04. With

@@ -157,7 +157,7 @@ def flatten_groups(groups, max_completion_length):
     in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
     return [{"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
              "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
-             "policy_version": int(g["policy_version"]), "group": k,  # truncated: no EOS, as TRL counts
+             "policy_version": int(g["policy_version"]), "group": k,  # truncated: no EOS (TRL's)
              "truncated": c.get("finish_reason") != "stop" or len(c["ids"]) > max_completion_length}
             for k, g in enumerate(groups) for c in g["completions"]]  # proxy-checked: G completions, a log-prob per id
 
@@ -480,8 +480,9 @@ def train(args):
         optimizer.zero_grad(set_to_none=False)  # zeros, not None: all-equal groups still step AdamW's momentum, as TRL
         stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
                                           args.epsilon_high, args.beta, args.max_completion_length,
-                                          args.temperature, args.delta, version,  # loss, ratios, approx_kl...
+                                          args.temperature, args.delta, version,
                                           args.use_bias_correction_kl, args.mask_truncated_completions)
+        # stats: loss, ratios, approx_kl, ...
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
         for k, r in (absurd := stats.pop("absurd_ratio")).items():  # inert under delta (departure 8)
@@ -507,7 +508,8 @@ def train(args):
                "reward_std": rewards.std().item(), "groups": len(groups), "groups_zero_variance": flat,
                "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                "policy_versions": sorted({g["policy_version"] for g in groups}), "tokens": tokens,
-               "truncated": (cut := sum(s["truncated"] for s in seqs)), "clipped_ratio": cut / len(seqs),
+               "truncated": (cut := sum(s["truncated"] for s in seqs)),  # ended without EOS, as TRL
+               "clipped_ratio": cut / len(seqs),
                "grad_norm": grad_norm, "skipped_non_finite": not finite,
                "groups_dropped": dropped, "groups_absurd_ratio": len(absurd),
                **stats, "learning_rate": optimizer.param_groups[0]["lr"], "micro_batches": len(mbs),

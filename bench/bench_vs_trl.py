@@ -85,7 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-ours", action="store_true", help="reuse --out/ours.json instead of running jobs.sh")
     p.add_argument("--check-update", type=int, default=0, metavar="N",
                    help="only replay TRL's first N batches with trainer.py's update and compare the weights")
-    p.add_argument("--beta", type=float, help="with --check-update: both sides' KL coefficient (default: jobs.sh's)")
+    p.add_argument("--beta", type=float,
+                   help="with --check-update: both sides' KL coefficient (default: jobs.sh's BETA)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs/bench-vs-trl"), help="results, logs and race.png")
     return p.parse_args(argv)
 

@@ -127,12 +127,13 @@ def test_kl_gradient_with_and_without_the_bias_correction(use_bias_correction_kl
     # so the correction changes the gradient even where r = 1 (row 0, t0: -ln 2 instead of -1).
     logprobs, old = example()
     ref = logprobs.detach() + KL_D  # (B, T)
-    loss, _ = policy_loss(logprobs, old, torch.zeros(4), MASK, loss_type="dapo", ref_logprobs=ref, beta=0.1,
-                          use_bias_correction_kl=use_bias_correction_kl)
+    loss, _ = policy_loss(logprobs, old, torch.zeros(4), MASK, loss_type="dapo", ref_logprobs=ref,
+                          beta=0.1, use_bias_correction_kl=use_bias_correction_kl)
     loss.backward()
     per_token = -RATIO * KL_D if use_bias_correction_kl else 1 - KL_D.exp()  # (B, T)
     torch.testing.assert_close(logprobs.grad, 0.1 * per_token * MASK / 9, atol=1e-6, rtol=1e-5)
-    assert logprobs.grad[0, 0].item() == pytest.approx(0.1 * (-math.log(2) if use_bias_correction_kl else -1) / 9)
+    at_ratio_1 = -math.log(2) if use_bias_correction_kl else -1.0
+    assert logprobs.grad[0, 0].item() == pytest.approx(0.1 * at_ratio_1 / 9)
 
 
 def test_policy_loss_rejects_bad_arguments():

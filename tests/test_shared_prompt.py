@@ -88,7 +88,8 @@ def trl_loss(logps, seqs, advantages, loss_type, microbatches, ref=None, beta=0.
     adv = advantages.unsqueeze(1)  # (B, 1)
     per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)  # (B, C)
     if beta:
-        kl = (torch.exp(ref - logps) - (ref - logps) - 1) * torch.exp(logps - old)  # (B, C) times coef_1
+        kl = torch.exp(ref - logps) - (ref - logps) - 1  # (B, C)
+        kl = kl * torch.exp(logps - old)  # (B, C) use_bias_correction_kl: times coef_1, before delta
         per_token_loss = per_token_loss + beta * kl
     masked = per_token_loss * mask  # (B, C)
     if loss_type == "grpo":
@@ -97,7 +98,8 @@ def trl_loss(logps, seqs, advantages, loss_type, microbatches, ref=None, beta=0.
         return masked.sum() / (len(seqs) * MAX_LEN)
     if loss_type == "dapo":
         return masked.sum() / mask.sum()
-    return sum(masked[mb].sum() / mask[mb].sum().clamp(min=1.0) for mb in microbatches) / len(microbatches)
+    mb_means = [masked[mb].sum() / mask[mb].sum().clamp(min=1.0) for mb in microbatches]
+    return sum(mb_means) / len(microbatches)  # bnpo
 
 
 @pytest.fixture(scope="module")
