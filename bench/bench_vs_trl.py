@@ -629,16 +629,16 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     settings = jobs_defaults()
     a.steps = a.steps or int(settings["STEPS"])
+    if a.beta is not None and not a.check_update:
+        sys.exit("bench_vs_trl.py: error: --beta is for --check-update; the race runs jobs.sh's BETA")
+    settings["BETA"] = settings["BETA"] if a.beta is None else str(a.beta)
     if a.model == SMOLLM2:
         ensure_model(a.model)
     elif not model_ready(a.model):
         sys.exit(f"bench_vs_trl.py: error: --model {a.model} is not a model folder (config.json, model.safetensors)")
     log("settings of both sides (jobs.sh defaults): " + " ".join(f"{k}={settings[k]}" for k in SETTINGS))
     log("ours only: " + " ".join(f"{k}={settings[k]}" for k in OURS_ONLY if k in settings))
-    if a.beta is not None and not a.check_update:
-        sys.exit("bench_vs_trl.py: error: --beta is for --check-update; the race runs jobs.sh's BETA")
     if a.check_update:
-        settings["BETA"] = settings["BETA"] if a.beta is None else str(a.beta)
         check_update(a, settings, out)
     sides = {}
     for key, flag, run in (("trl", "--skip-trl", run_trl), ("ours", "--skip-ours", run_ours)):
