@@ -280,7 +280,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
     sums, rows, row_groups, forwarded = {"loss": 0.0}, [], [], 0
     for idx in microbatches:
-        idx = [i for i in idx if i not in masked]  # zero loss; microbatch_weight counts them for grpo
+        idx = [i for i in idx if i not in masked]  # no loss; grpo, dr_grpo still divide by all B rows
         mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: the whole micro-batch
         if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
             idx = [i for g in by_group(seqs, idx) if bool((advantages[g] != 0).any()) for i in g]
@@ -482,7 +482,6 @@ def train(args):
                                           args.epsilon_high, args.beta, args.max_completion_length,
                                           args.temperature, args.delta, version,
                                           args.use_bias_correction_kl, args.mask_truncated_completions)
-        # stats: loss, ratios, approx_kl, ...
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
         for k, r in (absurd := stats.pop("absurd_ratio")).items():  # inert under delta (departure 8)
