@@ -6,13 +6,15 @@ The first test file checks every function against numbers worked out by hand; th
 few dozen GRPO steps on the tiny test model and checks that a toy reward goes from ~0 to ~1.
 
 The names are TRL's (`GRPOTrainer._compute_loss` in huggingface/trl, trl/trainer/grpo_trainer.py):
-`epsilon`, `epsilon_high`, `delta`, `beta`, `loss_type`, `scale_rewards`, `max_completion_length`,
-so a reader who knows TRL can check this file against it line by line.
+`epsilon`, `epsilon_high`, `delta`, `beta`, `use_bias_correction_kl`, `loss_type`, `scale_rewards`,
+`max_completion_length`, so a reader who knows TRL can check this file against it line by line.
 
 Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3), and from TRL:
 1. No KL term by default (`beta=0.0`, TRL's default too). The paper uses beta = 0.04. With
-   `beta > 0` the term is the paper's own k3 estimator (eq. 4); with LoRA the reference policy is
-   the base model with the adapter disabled, so no second model sits in memory.
+   `beta > 0` the term is the paper's k3 estimator (eq. 4), multiplied by the importance ratio
+   as TRL 1.16 does by default (`use_bias_correction_kl=True`, DeepSeek-V3.2 arXiv 2512.02556):
+   the ratio is not detached, so it changes the KL gradient even where it equals 1. With LoRA
+   the reference policy is the base model with the adapter disabled (no second model in memory).
 2. The "old" policy is the behaviour policy: the log-probs the sampler (vLLM) reported while
    generating, possibly from an adapter a few versions behind the trainer. The ratio
    exp(logp - logp_behaviour) corrects for that staleness (and for sampler/trainer numerical
@@ -111,7 +113,7 @@ def log_ratio(logprobs, old_logprobs, mask):
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=None,
                 loss_type="dapo", max_completion_length=None, num_tokens=None,
-                ref_logprobs=None, beta=0.0, delta=None):
+                ref_logprobs=None, beta=0.0, delta=None, use_bias_correction_kl=True):
     """Clipped surrogate loss of GRPO, aggregated the way TRL's `loss_type` names it.
 
     logprobs: (B, T) of the policy being trained (carries the gradient).
@@ -124,6 +126,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     delta: two-sided clipping (TRL's `delta`): the unclipped ratio is also capped at delta, which
       bounds the loss of a negative-advantage token (-r * A grows without limit otherwise).
     ref_logprobs: (B, T) of the reference policy, needed when beta > 0.
+    use_bias_correction_kl: multiply the per-token KL by the ratio before delta caps it (TRL's
+      name and default: True). False: the paper's k3 term alone.
     Returns (loss, stats) with stats a dict of python floats: ratio_mean, clip_low_frac,
     clip_high_frac, and kl when beta > 0 (masked means over completion tokens).
     """
@@ -142,7 +146,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1)
 
     coef_1 = torch.exp(log_ratio(logprobs, old_logprobs, keep))  # (B, T)  pi_theta / pi_behaviour, TRL's coef_1
-    ratio = coef_1  # (B, T)  kept for the stats before delta caps it
+    ratio = coef_1  # (B, T)  before delta caps it: the stats and the KL correction use it
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)  # (B, T)  TRL's coef_2
     if delta is not None:  # TRL: coef_1 = torch.clamp(coef_1, max=self.args.delta)
         coef_1 = torch.clamp(coef_1, max=delta)  # (B, T)
@@ -153,6 +157,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
         ref_diff = torch.where(keep, ref_logprobs - logprobs, 0.0)  # (B, T)
         # k3 estimator of KL(pi_theta || pi_ref): DeepSeekMath eq. 4; http://joschu.net/blog/kl-approx.html
         per_token_kl = torch.exp(ref_diff) - ref_diff - 1  # (B, T)
+        if use_bias_correction_kl:  # TRL: per_token_kl = per_token_kl * coef_1 (before delta's clamp)
+            per_token_kl = per_token_kl * ratio  # (B, T)
         per_token_loss = per_token_loss + beta * per_token_kl  # (B, T)  TRL: + self.beta * per_token_kl
 
     masked = per_token_loss * mask  # (B, T)  zero on padding

@@ -19,6 +19,20 @@ ROOT=$PWD
 die() { echo "jobs.sh: error: $*" >&2; exit 1; }
 banner() { printf '\n== %s ==\n' "$*"; }
 
+pool_size() {  # REPLICAS := the number of flavors in ROLLOUT_FLAVORS, each checked
+  local w n=0
+  set -f
+  for w in $ROLLOUT_FLAVORS; do
+    case $w in *[!a-z0-9-]*)
+      die "ROLLOUT_FLAVORS: '$w' is not a flavor name (see 'hf jobs hardware')" ;; esac
+    n=$((n + 1))
+  done
+  set +f
+  [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = $n ] || die "REPLICAS=$REPLICAS, but ROLLOUT_FLAVORS" \
+    "names $n flavors: drop REPLICAS (ROLLOUT_FLAVORS makes one replica per flavor)"
+  REPLICAS=$n
+}
+
 mode=hf action=launch
 case "${1:-}" in
   --local) mode=local ;;
@@ -42,6 +56,8 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${MAX_NEW_TOKENS:=256}" "${LEARNING_RATE:=5e-5}"
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
+  : "${ROLLOUT_FLAVORS:=}"   # a mixed pool, one replica per flavor: "a10g-small l4x1 t4-small"
+  [ -z "$ROLLOUT_FLAVORS" ] || pool_size   # sets REPLICAS; the proxy shares each step by speed
   : "${IMAGE:=vllm/vllm-openai:v0.32.0}"   # setup.sh's vLLM pin: torch 2.13.0, transformers <5.20
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
@@ -51,7 +67,7 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   elif [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
   else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
 fi
-: "${DATA:=}"                       # gsm8k: local JSONL instead of the hub's openai/gsm8k
+: "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
 : "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
@@ -74,7 +90,7 @@ show_settings() {
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
            TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R LORA_ALPHA LOSS_TYPE BETA \
            SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
-           TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
+           ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
 }
@@ -187,6 +203,12 @@ open(sys.argv[2], "wb").write(body)' "$1" "${3:-/dev/null}" 2>/dev/null
 save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; quiet if it is gone
   http_get "$1/stats" "X-Proxy-Token: $PROXY_TOKEN" "$RUN/stats.json.part" &&
     mv "$RUN/stats.json.part" "$RUN/stats.json" || true
+}
+replica_flavor() {  # I — replica I's flavor: word I of ROLLOUT_FLAVORS, else ROLLOUT_FLAVOR
+  local i=$1
+  [ -n "${ROLLOUT_FLAVORS:-}" ] || { echo "$ROLLOUT_FLAVOR"; return; }
+  set -f; set -- $ROLLOUT_FLAVORS; set +f
+  shift "$i"; echo "$1"
 }
 replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one worker name
   "$PYH" "$ROOT/proxy.py" --print-replica-token "$1" ||
@@ -458,7 +480,7 @@ launch_hf() {
   else wait_for_proxy "$JOB_ID"; fi
   local i tid
   for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL" "$bucket_path" "$URL" "$i"; job_opts "rollout-$i" "$ROLLOUT_FLAVOR"
+    rollout_args "$MODEL" "$bucket_path" "$URL" "$i"; job_opts "rollout-$i" "$(replica_flavor "$i")"
     job_command rollout; submit "rollout-$i" "$IMAGE"
   done
   trainer_args "$MODEL" "$bucket_path" "$URL"; job_opts trainer "$TRAINER_FLAVOR"; job_command trainer
@@ -559,12 +581,44 @@ job_stage() {  # ID — the job's stage, from `hf jobs inspect --format json`
   echo "${out:-?}"
 }
 
+pool_shares() {  # each replica's share of a step, from the proxy's /stats: through the gateway
+  # (GATEWAY_TOKEN, else the HF token) with the trainer's PROXY_TOKEN from RUN/secrets.env
+  local id url token
+  id=$(awk '$1 == "proxy" {print $2}' "$RUN/jobs.txt")
+  token=$(sed -n 's/^PROXY_TOKEN=//p' "$RUN/secrets.env" 2>/dev/null | head -1)
+  if [ -z "$id" ] || [ -z "$token" ]; then
+    echo "replicas: no proxy job or no $RUN/secrets.env" >&2; return; fi
+  hf_token; [ -n "${GATEWAY_TOKEN:-}" ] || GATEWAY_TOKEN=$HF_TOKEN
+  read -r _ url <<<"$(proxy_info "$id") "
+  url=${url:-https://$id--8000.hf.jobs}
+  if ! http_get "$url/stats" "X-Proxy-Token: $token
+Authorization: Bearer $GATEWAY_TOKEN" "$RUN/stats.json.part"; then
+    echo "replicas: the proxy's /stats did not answer ($url; the run may be over)" >&2; return
+  fi
+  mv "$RUN/stats.json.part" "$RUN/stats.json"
+  "$PYH" - "$RUN/stats.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+reps, counts = s.get("replicas") or {}, s.get("workers") or {}
+print(f"\nreplicas (proxy /stats, trainer v{s.get('trainer_version')}; share: of a step, by speed)")
+print(f"  {'worker':<14}{'share':>7}{'groups/s':>10}{'leased':>8}{'accepted':>10}{'delivered':>11}"
+      f"{'stale':>7}{'over_quota':>12}")
+for w in sorted(set(reps) | set(counts)):
+    r, c = reps.get(w, {}), counts.get(w, {})
+    share = f"{r['share']:.3f}" if "share" in r else "gone"
+    speed = "?" if r.get("groups_per_s") is None else f"{r['groups_per_s']:.3f}"
+    print(f"  {w[:13]:<14}{share:>7}{speed:>10}{r.get('leased', 0):>8}{c.get('accepted', 0):>10}"
+          f"{c.get('delivered', 0):>11}{c.get('dropped_stale', 0):>7}{c.get('over_quota', 0):>12}")
+PY
+}
+
 manage_hf() {
   [ -f "$RUN/jobs.txt" ] || die "no job ids for run '$NAME' ($RUN/jobs.txt is missing): set NAME=<run name>"
   hf_cli
   local role id
   case $action in
-    status) while read -r role id <&3; do printf '%-10s %s  %s\n' "$role" "$id" "$(job_stage "$id")"; done 3<"$RUN/jobs.txt" ;;
+    status) while read -r role id <&3; do printf '%-10s %s  %s\n' "$role" "$id" "$(job_stage "$id")"; done 3<"$RUN/jobs.txt"
+            local PYH; host_python; pool_shares ;;
     logs)   id=$(awk -v r="${2:-trainer}" '$1 == r {print $2}' "$RUN/jobs.txt")
             [ -n "$id" ] || die "no role '${2:-trainer}' in $RUN/jobs.txt (roles: $(cut -d' ' -f1 "$RUN/jobs.txt" | tr '\n' ' '))"
             exec "${HF[@]}" jobs logs -f "$id" ;;

@@ -48,6 +48,7 @@ MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
+LEASE_FLOOR_S = 2.0  # a measured replica's lease counts as coming >= this (and 3x its own pace)
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")  # total, per worker
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET", "/healthz": "GET",
           "/batch": "GET", "/version": "POST", "/done": "POST"}
@@ -160,6 +161,15 @@ def group_bytes(g):
             + sum(700 + 70 * len(c["ids"]) + len(c["text"]) for c in g["completions"]))
 
 
+class Lease:
+    """What /quota gave a replica: n groups still to come (0: asking), counted as coming until
+    `until` (monotonic s), made with adapter `version`; `given` groups at `since`."""
+    __slots__ = ("n", "until", "version", "since", "given")
+
+    def __init__(self, n, until, version, since=0.0, given=0):
+        self.n, self.until, self.version, self.since, self.given = n, until, version, since, given
+
+
 # ---- the run's contract and the buffer: all state and counters under one lock ----------------
 
 # The settings every role must share (TRL's names), and their defaults. proxy.py takes them as flags;
@@ -202,7 +212,8 @@ class RolloutBuffer:
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
         self.taken = 0  # groups delivered at the current trainer_version (a step may take them in parts)
         self.done, self.closed, self.started = False, False, time.time()
-        self.leases = {}  # worker -> [groups still to come, expiry, version asked with] (0: asking)
+        self.leases = {}  # worker -> Lease (n 0: asking)
+        self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
         self.told_done, self.last_request = set(), time.monotonic()  # for main(): who heard "done", and when last
         self.recent_usable = collections.deque(maxlen=128)  # drop mode: did recent groups have unequal rewards?
         self.waiting = 0  # groups asked for by GET /batch calls blocked for lack of them (see stats())
@@ -257,7 +268,7 @@ class RolloutBuffer:
             self._count("dropped_stale", [g for g in new if not self._usable(g)])
             self.counts["dropped_zero_variance"] += len(flat)
             for g in (g for g in new if g["worker"] in self.leases):  # a sender's lease shrinks as its groups arrive
-                self.leases[g["worker"]][0] -= 1
+                self._delivered(g["worker"])
             self.groups.extend(fresh)
             self.nbytes += size
             self.cond.notify_all()
@@ -270,7 +281,7 @@ class RolloutBuffer:
         left, kept, over = {}, [], []
         for g in new:
             w, v = g["worker"], g["policy_version"]
-            n, _, held = self.leases.get(w, (0, 0, 0))
+            n, held = (lease.n, lease.version) if (lease := self.leases.get(w)) else (0, 0)
             if v < held:
                 raise ApiError(f"policy_version {v} of group {g['group_id'][:80]!r} is older than v{held}, the "
                                f"adapter {w[:80]!r} said it held at GET /quota", 409)
@@ -360,14 +371,15 @@ class RolloutBuffer:
         per step; groups made now with v are used at trainer versions up to v + S, and are wanted only one
         step ahead (t + 1: the batch the trainer takes when its current step ends). So the proxy asks for
         the groups of steps t .. min(v + S, t + 1), less those this step already took, those buffered and
-        those leased to other replicas. Each replica asking gets at most its share of a step."""
+        those leased to other replicas. Each replica asking gets at most its share of a step
+        (_shares: by its measured speed); a lease counts as coming until _expiry (its own pace)."""
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
             return 0, "the trainer has not announced itself yet"
         if version < t - S:
             return 0, f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load a newer adapter"
-        others = [n for w, (n, until, _) in self.leases.items() if w != worker and until > now]
+        others = [lease.n for w, lease in self.leases.items() if w != worker and lease.until > now]
         leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
         lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
         if lack <= 0:
@@ -375,29 +387,70 @@ class RolloutBuffer:
                        f"{leased} leased to other replicas)")
         if c["zero_variance"] == "drop" and self.recent_usable:  # only this share of the groups will be kept
             lack = math.ceil(lack / max(0.05, sum(self.recent_usable) / len(self.recent_usable)))
-        return min(most, lack, math.ceil(B / (1 + len(others)))), None
+        return min(most, lack, max(1, round(B * self._shares(now, worker)[worker]))), None
+
+    def _delivered(self, worker):
+        """One group of `worker`'s lease arrived; its last one measures the replica's pace."""
+        lease = self.leases[worker]
+        lease.n -= 1
+        if lease.n == 0 and lease.given > 0:  # seconds per group, from the lease to its last group
+            sample = (time.monotonic() - lease.since) / lease.given
+            old = self.pace.get(worker, sample)
+            self.pace[worker] = (old + sample) / 2
+
+    def _shares(self, now, asking=None):
+        """{worker: the fraction of a step it may make} for the replicas with live leases, from
+        their measured speed (groups per second). At max_staleness 0 the step waits for every
+        lease: a replica's speed over their sum, so that all finish together. Above, the trainer
+        waits for no lease in particular: the fastest replica takes a whole step (as a batching
+        engine likes it), the others the part their speed makes in the same time, so a slow one
+        holds back little. Unmeasured: one group to measure itself on once others are measured;
+        equal shares before."""
+        live = {w for w, lease in self.leases.items() if lease.until > now} | ({asking} - {None})
+        speed = {w: 1 / max(self.pace[w], 1e-6) for w in live if w in self.pace}
+        if not speed:
+            return dict.fromkeys(live, 1 / max(1, len(live)))  # the first rounds
+        unmeasured = len(live) - len(speed)
+        if self.contract["max_staleness"] == 0:
+            whole = sum(speed.values()) * (1 + unmeasured / len(speed))  # unmeasured: the mean
+        else:
+            whole = max(speed.values())
+        return {w: speed.get(w, 0.0) / whole for w in live}
+
+    def _expiry(self, worker, n, now):
+        """When a lease of n groups stops counting as coming: 3x the time the replica's own pace
+        says n groups take, at least LEASE_FLOOR_S; --lease-timeout until its pace is measured."""
+        if worker not in self.pace or n == 0:
+            return now + self.lease_timeout
+        return now + min(self.lease_timeout, max(LEASE_FLOOR_S, 3 * n * self.pace[worker]))
 
     def quota(self, worker, version, most, timeout):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end of the run."""
         with self.cond:
             if worker not in self.leases and len(self.leases) >= MAX_WORKERS:  # bounded: drop expired ones
                 now = time.monotonic()
-                self.leases = {w: lease for w, lease in self.leases.items() if lease[1] > now}
+                self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
+                self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
                 if len(self.leases) >= MAX_WORKERS:
                     raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one expires "
                                    "(--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
             t0 = self.trainer_version  # a replica asks again once its last groups are out: its lease ends, but
-            self.leases[worker] = [0, time.monotonic() + timeout + self.lease_timeout, version]  # it asks
+            until = time.monotonic() + timeout + self.lease_timeout
+            self.leases[worker] = Lease(0, until, version)  # it asks
             self.cond.notify_all()
-            self.cond.wait_for(lambda: self.done or self.closed or self.trainer_version != t0
-                               or (t0 is not None and version < t0)  # a newer adapter to load: at once
-                               or self._quota(worker, version, most)[0] > 0, timeout)
+            ready = lambda: (self.done or self.closed or self.trainer_version != t0  # noqa: E731
+                             or (t0 is not None and version < t0)  # a newer adapter: at once
+                             or self._quota(worker, version, most)[0] > 0)
+            deadline = time.monotonic() + timeout
+            while not ready() and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(min(left, 0.5))  # another's lease may expire meanwhile: look again
             if self.done:
                 self.told_done.add(worker)
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
             n, why = self._quota(worker, version, most)
-            self.leases[worker] = [n, time.monotonic() + self.lease_timeout, version]
+            now = time.monotonic()
+            self.leases[worker] = Lease(n, self._expiry(worker, n, now), version, now, n)
             return {"groups": n, "trainer_version": self.trainer_version, "why": why, "state": self.state()}
 
     def count(self, key):
@@ -412,7 +465,10 @@ class RolloutBuffer:
             now = time.monotonic()
             return {**self.counts, "buffered": len(self.groups), "buffered_mb": round(self.nbytes / 2**20, 1),
                     "waiting": max(0, self.waiting - len(self.groups)),  # groups a blocked trainer still lacks
-                    "leased": {w: n for w, (n, until, _) in self.leases.items() if until > now and n > 0},
+                    "leased": {w: l.n for w, l in self.leases.items() if l.until > now and l.n > 0},
+                    "replicas": {w: {"share": round(share, 3), "leased": max(0, self.leases[w].n),
+                                     "groups_per_s": round(1 / self.pace[w], 3) if w in self.pace
+                                     else None} for w, share in self._shares(now).items()},
                     "unconfirmed": sum(len(gs) for gs, _ in self.unconfirmed.values()),
                     "trainer_version": self.trainer_version, "state": self.state(), "max_groups": self.max_groups,
                     "contract": self.contract, "staleness": {str(k): v for k, v in sorted(self.staleness.items()) if v},
@@ -694,7 +750,8 @@ def main(argv=None):
       "groups at full length, ~64 bytes a token: 2.5 at the default contract)")
     a("--request-timeout", type=float, default=30.0, help="seconds a whole request may take to arrive")
     a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
-    a("--lease-timeout", type=float, default=120.0, help="seconds a replica's quota counts as coming")
+    a("--lease-timeout", type=float, default=120.0, help="most seconds a replica's lease counts as "
+      "coming: 3x its measured pace (>= 2 s) once it delivered, this until then")
     a("--linger", type=float, default=60.0, help="after /done, exit once replicas were told or after this many idle s")
     a("--token", default=os.environ.get("PROXY_TOKEN"), help="the trainer's token, sent as X-Proxy-Token "
       "(default: $PROXY_TOKEN)")

@@ -36,8 +36,10 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 5. --lr-scheduler-type linear (TRL's default) or constant, no warmup; AdamW, no weight decay.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
-7. Completions longer than max_completion_length are cut to it (the proxy's max_new_tokens
-   already bounds them); the cut ones are counted in the metrics as `truncated`.
+7. `truncated` counts the completions that ended without EOS (finish_reason "length", or cut at
+   max_completion_length), as TRL's completions/clipped_ratio; `clipped_ratio` is their fraction.
+   --mask-truncated-completions (TRL's, off by default) leaves them out of the loss and its
+   normalisers, as TRL zeroes their completion mask.
 8. TRL's two-sided clip `delta` is on by default (2.0; TRL's default is None). A replica holds the
    current adapter and can send log-probs far below it: without delta one such group can make
    the ratio ~4e8 and steer the whole step. With delta a token whose ratio is above it has no
@@ -100,6 +102,10 @@ def parse_args(argv=None):
       help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
            f"'none': off (default {DELTA}: one group cannot steer a step)")
     a("--beta", type=float, default=0.0, help="KL coefficient against the base model (adapter disabled); 0 = no KL")
+    a("--use-bias-correction-kl", action=argparse.BooleanOptionalAction, default=True,
+      help="with --beta > 0: multiply the per-token KL by the importance ratio (TRL's default: on)")
+    a("--mask-truncated-completions", action="store_true",
+      help="leave completions that ended without EOS out of the loss (TRL's; default: off)")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"], help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"], help="divide advantages by this std")
     a("--learning-rate", type=float, default=3e-4, help="AdamW's initial learning rate")
@@ -151,7 +157,8 @@ def flatten_groups(groups, max_completion_length):
     in `groups`: the completions of a group share its prompt in the forward (make_microbatches)."""
     return [{"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
              "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
-             "policy_version": int(g["policy_version"]), "truncated": len(c["ids"]) > max_completion_length, "group": k}
+             "policy_version": int(g["policy_version"]), "group": k,  # truncated: no EOS (TRL's)
+             "truncated": c.get("finish_reason") != "stop" or len(c["ids"]) > max_completion_length}
             for k, g in enumerate(groups) for c in g["completions"]]  # proxy-checked: G completions, a log-prob per id
 
 
@@ -250,13 +257,16 @@ STAT_COLUMNS = ("tokens", "approx_kl", "clipped", "ratio_max")  # grpo_loss.offp
 
 def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="dapo", epsilon=0.2,
                               epsilon_high=None, beta=0.0, max_completion_length=None, temperature=1.0,
-                              delta=None, version=None):
+                              delta=None, version=None, use_bias_correction_kl=True,
+                              mask_truncated_completions=False):
     """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
 
     Each micro-batch's loss is weighted (grpo_loss.microbatch_weight) so that the sum is the loss
     of the whole step as TRL defines it. With beta == 0, a group whose advantages are all 0 (its
     rewards all equal) adds nothing to the loss or the gradient, so it is not forwarded; its
     sequences and tokens stay in every normaliser, so the gradient is TRL's (which keeps them).
+    mask_truncated_completions: TRL zeroes the completion mask of those without EOS: their tokens
+    leave the loss and the token counts, their rows stay in grpo's and dr_grpo's row counts.
     The stats cover the forwarded completions. staleness = version - policy_version (0 if no version).
     Returns a dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max
     (ratio_mean and ratio_max are None when no group was forwarded: every advantage was 0),
@@ -266,9 +276,11 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     do not step the optimizer: the weights would become NaN).
     """
     device = next(model.parameters()).device
-    total_tokens = sum(len(s["ids"]) for s in seqs)
+    masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
+    total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
     sums, rows, row_groups, forwarded = {"loss": 0.0}, [], [], 0
     for idx in microbatches:
+        idx = [i for i in idx if i not in masked]  # no loss; grpo, dr_grpo still divide by all B rows
         mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: the whole micro-batch
         if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
             idx = [i for g in by_group(seqs, idx) if bool((advantages[g] != 0).any()) for i in g]
@@ -284,7 +296,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
         loss, stats = grpo_loss.policy_loss(
             logps, mb["old_logprobs"], mb["advantages"], mb["mask"], epsilon=epsilon, epsilon_high=epsilon_high,
             loss_type=loss_type, max_completion_length=max_completion_length, ref_logprobs=ref, beta=beta,
-            num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type), delta=delta)
+            num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type), delta=delta,
+            use_bias_correction_kl=use_bias_correction_kl)
         weight = grpo_loss.microbatch_weight(loss_type, mb["mask"], len(seqs), len(microbatches))
         (loss * weight).backward()
         sums["loss"] += loss.item() * weight
@@ -467,7 +480,8 @@ def train(args):
         optimizer.zero_grad(set_to_none=False)  # zeros, not None: all-equal groups still step AdamW's momentum, as TRL
         stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type, args.epsilon,
                                           args.epsilon_high, args.beta, args.max_completion_length,
-                                          args.temperature, args.delta, version)  # loss, ratios, approx_kl, ...
+                                          args.temperature, args.delta, version,
+                                          args.use_bias_correction_kl, args.mask_truncated_completions)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
         for k, r in (absurd := stats.pop("absurd_ratio")).items():  # inert under delta (departure 8)
@@ -493,7 +507,9 @@ def train(args):
                "reward_std": rewards.std().item(), "groups": len(groups), "groups_zero_variance": flat,
                "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                "policy_versions": sorted({g["policy_version"] for g in groups}), "tokens": tokens,
-               "truncated": sum(s["truncated"] for s in seqs), "grad_norm": grad_norm, "skipped_non_finite": not finite,
+               "truncated": (cut := sum(s["truncated"] for s in seqs)),  # ended without EOS, as TRL
+               "clipped_ratio": cut / len(seqs),
+               "grad_norm": grad_norm, "skipped_non_finite": not finite,
                "groups_dropped": dropped, "groups_absurd_ratio": len(absurd),
                **stats, "learning_rate": optimizer.param_groups[0]["lr"], "micro_batches": len(mbs),
                "wait_s": round(t1 - t0, 3), "compute_s": round(t2 - t1, 3),

@@ -127,9 +127,11 @@ def role_env(extra=None):
             "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
 
-def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=()):
+def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=(), replica=None, during=None):
     """One run of proxy + replica + trainer; returns what the summaries need. own_pids: helper
-    processes (an S3 server) whose CPU is not counted as other load."""
+    processes (an S3 server) whose CPU is not counted as other load. replica(i): (argv prefix, env)
+    of replica i (default: rollout.py as it is); during(url, start_replica, replicas, trainer): in
+    a thread while the trainer runs (bench_pool.py kills and restarts replicas with it), with url."""
     os.makedirs(log_dir, exist_ok=True)
     py, code, port = sys.executable, os.path.abspath(opts.code), free_port()
     url, env, total = f"http://127.0.0.1:{port}", role_env(env), opts.warmup + opts.steps
@@ -140,16 +142,29 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=()):
     try:
         wait_port(port)
         poll = ["--poll-interval", str(opts.poll_interval)] if opts.poll_interval is not None else []
-        replicas = [Role(f"replica-{i}", [py, f"{code}/rollout.py", "--engine", "hf", "--task", opts.task, "--model",
-                                          opts.model, "--bucket", bucket, "--proxy", url, "--replica-id", str(i),
-                                          "--num-replicas", str(opts.replicas), "--seed", "0", "--cache-dir",
-                                          os.path.join(log_dir, f"cache-{i}"), *poll], env, log_dir, code)
-                    for i in range(opts.replicas)]
+        replicas = []
+
+        def start_replica(i):  # a restarted replica gets its own log, the same worker name
+            prefix, extra = replica(i) if replica else ([py, f"{code}/rollout.py"], {})
+            n = sum(r.name.split(".")[0] == f"replica-{i}" for r in replicas)
+            name = f"replica-{i}" + (f".{n}" if n else "")
+            replicas.append(Role(name, [*prefix, "--engine", "hf", "--task", opts.task, "--model", opts.model,
+                                        "--bucket", bucket, "--proxy", url, "--replica-id", str(i),
+                                        "--num-replicas", str(opts.replicas), "--seed", "0", "--cache-dir",
+                                        os.path.join(log_dir, f"cache-{i}"), *poll], {**env, **extra},
+                                 log_dir, code))
+            roles.append(replicas[-1])
+            return replicas[-1]
+
+        for i in range(opts.replicas):
+            start_replica(i)
         trainer = Role("trainer", [py, f"{code}/trainer.py", "--model", opts.model, "--bucket", bucket, "--proxy", url,
                                    "--learning-rate", str(opts.learning_rate), "--lora-r", str(opts.lora_r),
                                    "--lora-alpha", str(2 * opts.lora_r), "--max-steps", str(total), "--save-every",
                                    str(total), "--wait-timeout", "600"], env, log_dir, code)
-        roles += [*replicas, trainer]
+        roles.append(trainer)
+        if during:
+            threading.Thread(target=during, args=(url, start_replica, replicas, trainer), daemon=True).start()
         if trainer.proc.wait(timeout=1800) != 0:
             sys.exit(f"bench: trainer failed (S={staleness}):\n{trainer.tail()}\nreplica-0:\n{replicas[0].tail()}")
         roles[0].proc.wait(timeout=120)  # the run ends by itself: the proxy exits once the replicas were told
@@ -161,9 +176,10 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=()):
     busy, own = (b - a for a, b in zip(cpu_before, cpu_seconds(own_pids)))
     metrics = sync.read_metrics(bucket)
     batches = [{"t": t, "version": int(m.group(1)), "accepted": int(m.group(2)), "stale": int(m.group(3)),
-                "gen_s": float(m.group(4))} for r in replicas for t, line in r.lines if (m := BATCH.search(line))]
+                "gen_s": float(m.group(4)), "replica": r.name.split(".")[0]}
+               for r in replicas for t, line in r.lines if (m := BATCH.search(line))]
     return {"staleness": staleness, "metrics": metrics, "stats": stats, "batches": batches,
-            "replicas": len(replicas), "trainer": trainer.lines,
+            "replicas": opts.replicas, "trainer": trainer.lines,
             "other_cpu": max(0.0, busy - own) / (time.time() - start),
             "load": (load_before, open("/proc/loadavg").read().split()[0])}
 

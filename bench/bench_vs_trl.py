@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_vs_trl.py --steps 2 --eval-limit 8  # a smoke run of the whole path, ~5 min
     .venv/bin/python bench/bench_vs_trl.py --skip-trl                # ours again; TRL's side from its JSON
     .venv/bin/python bench/bench_vs_trl.py --check-update 4          # same batches, same update? ~3 min
+    .venv/bin/python bench/bench_vs_trl.py --check-update 4 --beta 0.04  # the same with the KL term
 
 1. TRL 1.16 `GRPOTrainer` in a venv of its own (runs/.venv-trl, created once from pinned versions:
    trl==1.16.0 with .venv's torch, transformers and peft), one process with 2 threads, generation
@@ -34,7 +35,9 @@ race's config while its batches (prompt and completion ids, rewards) and LoRA we
 trainer.py's functions (grpo_loss.group_advantages, collate, completion_logprobs,
 compute_loss_and_backward) and an AdamW with trainer.py's settings replay the same batches from
 TRL's initial LoRA, and the weights are compared after each step (exit 1 if they differ by more
-than 1% of the update). So a difference in learning per step between the two sides of the race
+than 1% of the update). --beta sets both sides' KL coefficient for it (TRL's reference model with
+PEFT is the adapter disabled, as trainer.py's; both with TRL's use_bias_correction_kl=True).
+So a difference in learning per step between the two sides of the race
 comes from the batches (which prompts, which samples), not from the update.
 
 Writes into --out: trl.json and ours.json (each side's curve, checkpoints and accuracies; what
@@ -82,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-ours", action="store_true", help="reuse --out/ours.json instead of running jobs.sh")
     p.add_argument("--check-update", type=int, default=0, metavar="N",
                    help="only replay TRL's first N batches with trainer.py's update and compare the weights")
+    p.add_argument("--beta", type=float,
+                   help="with --check-update: both sides' KL coefficient (default: jobs.sh's BETA)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs/bench-vs-trl"), help="results, logs and race.png")
     return p.parse_args(argv)
 
@@ -624,6 +629,9 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     settings = jobs_defaults()
     a.steps = a.steps or int(settings["STEPS"])
+    if a.beta is not None and not a.check_update:
+        sys.exit("bench_vs_trl.py: error: --beta is for --check-update; the race runs jobs.sh's BETA")
+    settings["BETA"] = settings["BETA"] if a.beta is None else str(a.beta)
     if a.model == SMOLLM2:
         ensure_model(a.model)
     elif not model_ready(a.model):

@@ -99,16 +99,41 @@ def test_masked_positions_get_no_gradient_even_with_garbage():
     torch.testing.assert_close(logprobs.grad, UNNORMALISED_GRAD / 9, atol=1e-6, rtol=1e-5)
 
 
-def test_k3_kl_term_with_beta():
+KL_D = torch.tensor([[math.log(2.0), 0.0, 0.0], [0.0, -math.log(2.0), 5.0], [0.0, 5.0, 5.0],
+                     [0.0, 0.0, math.log(2.0)]])  # (B, T) ref - logp; the 5.0 entries are masked
+
+
+@pytest.mark.parametrize("use_bias_correction_kl", [True, False])
+def test_k3_kl_term_with_beta(use_bias_correction_kl):
     logprobs, old = example()
     ln2 = math.log(2.0)
-    d = torch.tensor([[ln2, 0.0, 0.0], [0.0, -ln2, 5.0], [0.0, 5.0, 5.0], [0.0, 0.0, ln2]])  # ref - logp
-    ref = logprobs.detach() + d  # (B, T); the 5.0 entries are masked and must not count
-    loss, stats = policy_loss(logprobs, old, A, MASK, loss_type="dapo", ref_logprobs=ref, beta=0.1)
+    ref = logprobs.detach() + KL_D  # (B, T); the 5.0 entries are masked and must not count
+    loss, stats = policy_loss(logprobs, old, A, MASK, loss_type="dapo", ref_logprobs=ref, beta=0.1,
+                              use_bias_correction_kl=use_bias_correction_kl)
     # k3 = e^d - d - 1: d = ln 2 -> 1 - ln 2 = 0.306853; d = -ln 2 -> ln 2 - 0.5 = 0.193147
-    kl_sum = 2 * (1 - ln2) + (ln2 - 0.5)  # 0.806853
-    assert stats["kl"] == pytest.approx(kl_sum / 9, abs=1e-6)
+    # TRL 1.16 (use_bias_correction_kl=True): each times its token's ratio, 1.0, 1.5 and 1.3
+    if use_bias_correction_kl:
+        kl_sum = 1.0 * (1 - ln2) + 1.5 * (ln2 - 0.5) + 1.3 * (1 - ln2)  # 0.995463
+    else:
+        kl_sum = 2 * (1 - ln2) + (ln2 - 0.5)  # 0.806853
+    assert stats["kl"] == pytest.approx(kl_sum / 9, abs=1e-6)  # TRL logs the corrected term too
     assert loss.item() == pytest.approx((0.65 + 0.1 * kl_sum) / 9, abs=1e-6)
+
+
+@pytest.mark.parametrize("use_bias_correction_kl", [True, False])
+def test_kl_gradient_with_and_without_the_bias_correction(use_bias_correction_kl):
+    # Advantages 0: only the KL term has a gradient. d = ref - logp, r = e^(logp - old):
+    #   d(k3)/d logp = 1 - e^d;   d(r * k3)/d logp = r * k3 + r * (1 - e^d) = -r * d
+    # so the correction changes the gradient even where r = 1 (row 0, t0: -ln 2 instead of -1).
+    logprobs, old = example()
+    ref = logprobs.detach() + KL_D  # (B, T)
+    loss, _ = policy_loss(logprobs, old, torch.zeros(4), MASK, loss_type="dapo", ref_logprobs=ref,
+                          beta=0.1, use_bias_correction_kl=use_bias_correction_kl)
+    loss.backward()
+    per_token = -RATIO * KL_D if use_bias_correction_kl else 1 - KL_D.exp()  # (B, T)
+    torch.testing.assert_close(logprobs.grad, 0.1 * per_token * MASK / 9, atol=1e-6, rtol=1e-5)
+    at_ratio_1 = -math.log(2) if use_bias_correction_kl else -1.0
+    assert logprobs.grad[0, 0].item() == pytest.approx(0.1 * at_ratio_1 / 9)
 
 
 def test_policy_loss_rejects_bad_arguments():

@@ -158,31 +158,41 @@ def test_a_read_only_mount_shows_another_jobs_file_late(hf_jobs):
     assert "x" in job_log(env, writer)
 
 
-@pytest.mark.parametrize("gateway", ["forward", "strip"])
-def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name, gateway):
+@pytest.mark.parametrize("gateway, flavors", [("forward", ""), ("strip", ""), ("forward", "t4-small cpu-upgrade")])
+def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name, gateway, flavors):
     """The whole run behind the strict gateway, whether it passes Authorization on or strips it:
-    the roles' own credentials travel in X-Proxy-Token. The replica's bucket view lags 1-3 s."""
+    the roles' own credentials travel in X-Proxy-Token. The replica's bucket view lags 1-3 s.
+    With `flavors`: a mixed pool (ROLLOUT_FLAVORS), whose shares `jobs.sh status` shows."""
     offline = "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false"
     env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy", STEPS="6",
                REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2", MAX_NEW_TOKENS="6", MAX_STALENESS="2",
                LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="3", ENGINE="hf", TIMEOUT="15m",
-               JOB_ENV=offline, HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="1 3", STARTUP_TIMEOUT="120")
+               JOB_ENV=offline, HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="1 3", STARTUP_TIMEOUT="120",
+               ROLLOUT_FLAVORS=flavors)
     res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt")) as f:
         jobs = dict(line.split() for line in f)
-    assert list(jobs) == ["proxy", "rollout-0", "trainer"]
+    pool = [f"rollout-{i}" for i in range(len(flavors.split()) or 1)]
+    assert list(jobs) == ["proxy", *pool, "trainer"]
+    for role, flavor in zip(pool, flavors.split()):  # one replica per flavor
+        assert json.loads(hf(env, "jobs", "inspect", "--format", "json", jobs[role]).stdout)[0]["flavor"] == flavor
 
     # every job must end by itself: the trainer after STEPS steps, then the replica and the proxy
-    stages, deadline = {}, time.time() + 600
+    stages, deadline, shares = {}, time.time() + 600, []
     while time.time() < deadline:
         status = subprocess.run(jobs_sh("status"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        stages = {line.split()[0]: line.split()[2] for line in status.stdout.splitlines()}
+        shares.append({w[0]: float(w[1]) for w in map(str.split, status.stdout.splitlines())
+                       if w and w[0].startswith("replica-") and w[1] != "gone"})
+        stages = {w[0]: w[2] for line in status.stdout.splitlines()
+                  if (w := line.split()) and w[0] in jobs}  # the job table, not the replicas' shares
         if not {"SCHEDULING", "RUNNING"} & set(stages.values()) or "ERROR" in stages.values():
             break
         time.sleep(2)
     logs = {role: job_log(env, jid)[-3000:] for role, jid in jobs.items()}
-    assert stages == {"proxy": "COMPLETED", "rollout-0": "COMPLETED", "trainer": "COMPLETED"}, (stages, logs)
+    assert stages == dict.fromkeys(jobs, "COMPLETED"), (stages, logs)
+    if flavors:  # while it ran, status showed both replicas' shares of a step, from /stats
+        assert any(set(s) == {"replica-0", "replica-1"} and max(s.values()) == 1.0 for s in shares), shares
 
     bucket = os.path.join(env["HF_EMU_DIR"], "buckets", "alice", "grpo", hf_run_name)
     assert [m["step"] for m in sync.read_metrics(bucket)] == list(range(1, 7))

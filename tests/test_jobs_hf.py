@@ -8,6 +8,7 @@ for real, through the real CLI. Every jobs.sh here runs under bash 3.2's `set -u
 """
 
 import http.server
+import json
 import os
 import re
 import shlex
@@ -55,14 +56,18 @@ class Gateway(http.server.BaseHTTPRequestHandler):
     """The proxy job behind the Jobs gateway, as jobs.sh's health check meets it: /healthz answers
     200 only with the user's HF token as a bearer (401 otherwise). Records each request's headers."""
 
-    seen = []
+    seen, stats, token = [], None, None  # stats: /stats's answer to the X-Proxy-Token `token`
 
     def do_GET(self):
         Gateway.seen.append(dict(self.headers))
-        ok = self.path == "/healthz" and self.headers.get("Authorization") == "Bearer hf_standin_token"
+        ok = self.headers.get("Authorization") == "Bearer hf_standin_token"
+        if self.path == "/stats":
+            ok = ok and Gateway.stats is not None and self.headers.get("X-Proxy-Token") == Gateway.token
+        ok = ok and self.path in ("/healthz", "/stats")
         self.send_response(200 if ok else 401)
         self.end_headers()
-        self.wfile.write(b'{"ok": true}' if ok else b"401 Unauthorized")
+        body = json.dumps(Gateway.stats if self.path == "/stats" else {"ok": True}).encode()
+        self.wfile.write(body if ok else b"401 Unauthorized")
 
     def log_message(self, *args):
         pass
@@ -73,7 +78,8 @@ def gateway():
     """URL of a Gateway on 127.0.0.1: the stand-in's `jobs inspect` shows it as the expose URL."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    Gateway.seen, Gateway.url = [], f"http://127.0.0.1:{server.server_address[1]}"
+    Gateway.seen, Gateway.stats = [], None
+    Gateway.url = f"http://127.0.0.1:{server.server_address[1]}"
     yield Gateway.url
     server.shutdown()
 
@@ -185,7 +191,8 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
     assert len(set(ids)) == 4 and ids[0] == proxy_job_id(res)
     res, calls = run_jobs(tmp_path, "status", NAME=name)
     assert res.returncode == 0 and res.stdout.count("RUNNING") == 4, res.stdout + res.stderr
-    assert [c for c in calls if c[:2] == ["jobs", "inspect"]] == [["jobs", "inspect", "--format", "json", i] for i in ids]
+    inspected = [c[-1] for c in calls if c[:4] == ["jobs", "inspect", "--format", "json"]]
+    assert inspected == ids + ids[:1]  # each job's stage, then the proxy's URL for its /stats
     res, calls = run_jobs(tmp_path, "stop", NAME=name)
     assert res.returncode == 0, res.stderr
     assert [c for c in calls if c[:2] == ["jobs", "cancel"]] == [["jobs", "cancel", i] for i in ids]
@@ -193,6 +200,45 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
 
 def proxy_job_id(res):
     return re.search(r"proxy: ([0-9a-f]{24})", res.stdout).group(1)
+
+
+def test_hf_jobs_launches_a_mixed_pool_and_status_shows_each_replicas_share(tmp_path, hf_run_name):
+    flavors = ["a10g-small", "l4x1", "t4-small"]
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", ROLLOUT_FLAVOR="a100-large",
+                          ROLLOUT_FLAVORS=" ".join(flavors))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert re.search(r"ROLLOUT_FLAVORS +a10g-small l4x1 t4-small", res.stdout)
+    runs = job_runs(calls)
+    assert [value_after(c, "--name")[0] for c in runs] == [
+        f"{hf_run_name}-{r}" for r in ["proxy", "rollout-0", "rollout-1", "rollout-2", "trainer"]]
+    assert [value_after(c, "--flavor")[0] for c in runs[1:4]] == flavors  # one replica per entry
+    assert all("--num-replicas 3" in c[-1] for c in runs[1:4])
+    # status: the job table, then each replica's share from /stats, through the gateway with the
+    # user's HF token and the trainer's token from secrets.env (on no command line)
+    kept = dict(line.split("=", 1) for line in open(os.path.join(ROOT, "runs", hf_run_name,
+                                                                 "secrets.env")).read().split())
+    Gateway.token = kept["PROXY_TOKEN"]
+    Gateway.stats = {"trainer_version": 7, "replicas": {
+        "replica-0": {"share": 0.6, "leased": 9, "groups_per_s": 3.0},
+        "replica-1": {"share": 0.3, "leased": 5, "groups_per_s": 1.5},
+        "replica-2": {"share": 0.1, "leased": 1, "groups_per_s": 0.5}},
+        "workers": {"replica-0": {"accepted": 60, "delivered": 58, "dropped_stale": 0,
+                                  "over_quota": 0}}}
+    res, calls = run_jobs(tmp_path, "status", NAME=hf_run_name)
+    assert res.returncode == 0 and res.stdout.count("RUNNING") == 5, res.stdout + res.stderr
+    words = [line.split() for line in res.stdout.splitlines()]
+    rows = {w[0]: w[1:] for w in words if w and w[0].startswith("replica-")}
+    assert rows == {"replica-0": ["0.600", "3.000", "9", "60", "58", "0", "0"],
+                    "replica-1": ["0.300", "1.500", "5", "0", "0", "0", "0"],
+                    "replica-2": ["0.100", "0.500", "1", "0", "0", "0", "0"]}, res.stdout
+    assert not [c for c in calls if kept["PROXY_TOKEN"] in " ".join(c)]
+    Gateway.stats = None  # the proxy gone: the job table still, and one line saying so
+    res, _ = run_jobs(tmp_path, "status", NAME=hf_run_name)
+    assert res.returncode == 0 and "/stats did not answer" in res.stderr, res.stdout + res.stderr
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name + "-x", BUCKET="alice/b", REPLICAS="2",
+                          ROLLOUT_FLAVORS="l4x1 t4-small a10g-small")
+    assert res.returncode != 0 and "REPLICAS=2, but ROLLOUT_FLAVORS names 3 flavors" in res.stderr
+    assert not job_runs(calls)
 
 
 def test_hf_jobs_replicas_get_their_own_bound_credential(tmp_path, hf_run_name, gateway):

@@ -6,6 +6,7 @@ retries across a restart, and the CLI as a subprocess (including how it ends the
     .venv/bin/python -m pytest tests/test_proxy.py -q
 """
 
+import collections
 import gc
 import json
 import os
@@ -473,11 +474,11 @@ def test_quota_at_staleness_0_is_one_batch_per_version_shared_by_two_replicas(pr
     assert answer["groups"] == 0 and "load a newer adapter" in answer["why"]  # max_staleness 0: v0 is too old now
     for v in range(1, 4):  # both replicas known: each makes its share, together exactly one batch
         made = {}
-        for w, client in [("r1", r1), ("r2", r2), ("r1", r1), ("r2", r2)]:
+        for i, (w, client) in enumerate([("r1", r1), ("r2", r2), ("r1", r1), ("r2", r2)]):
             n = client.quota(w, v, 100, timeout=0)["groups"]
-            client.post_rollouts(groups_for(w, v, n, f"v{v}")) if n else None
+            client.post_rollouts(groups_for(w, v, n, f"v{v}-{i}")) if n else None
             made[w] = made.get(w, 0) + n
-        assert sorted(made.values()) == [2, 3], made  # ceil(5 / 2) at most each
+        assert sum(made.values()) == 5, made  # the split follows their speed (here: noise)
         batch = trainer.get_batch(5, timeout=0)["groups"]
         assert len(batch) == 5 and {g["policy_version"] for g in batch} == {v}
         trainer.set_version(v + 1)
@@ -520,6 +521,96 @@ def test_quota_in_drop_mode_scales_by_the_usable_rate_and_drops_equal_rewards(pr
     assert [g["group_id"] for g in batch] == ["useful0", "useful1"]  # never a group with equal rewards
     s = trainer.stats()
     assert (s["dropped_zero_variance"], s["delivered"], s["buffered"]) == (2, 2, 0) and identity_holds(s)
+
+
+def replica_loop(url, worker, seconds_per_group, stop, token=None):
+    """A replica that takes longer per group (a sleep: no core taken): ask, make, post, until stop."""
+    client, made, v = ProxyClient(url, token=token), 0, 0
+    while not stop.is_set():
+        q = client.quota(worker, v, 100, timeout=1.0)
+        v = q["trainer_version"] if q["trainer_version"] is not None else v
+        if q["state"] == "done":
+            return
+        if q["groups"] and q["trainer_version"] is not None and v >= q["trainer_version"]:
+            time.sleep(seconds_per_group * q["groups"])
+            client.post_rollouts(groups_for(worker, v, q["groups"], f"{worker}-{made}"))
+            made += 1
+
+
+def test_the_quota_follows_each_replicas_speed_a_slow_one_never_holds_the_trainer(proxy):
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=4)
+    trainer, stop = ProxyClient(url, token=TOKEN), threading.Event()  # synchronous: each step waits
+    trainer.set_version(0)
+    for worker, pace in (("fast", 0.1), ("slow", 0.4)):  # 4x slower: alone, fast makes a step in 0.4 s
+        token = replica_token(REPLICA_TOKEN, worker)
+        threading.Thread(target=replica_loop, args=(url, worker, pace, stop, token), daemon=True).start()
+    try:
+        for step in range(3):  # warm-up: both replicas measured
+            assert len(trainer.get_batch(4, timeout=30)["groups"]) == 4
+            trainer.set_version(step + 1)
+        t0, got = time.monotonic(), collections.Counter()
+        for step in range(3, 11):
+            batch = trainer.get_batch(4, timeout=30)["groups"]
+            assert len(batch) == 4
+            got.update(g["worker"] for g in batch)
+            trainer.set_version(step + 1)
+        per_step = (time.monotonic() - t0) / 8
+        s = trainer.stats()
+    finally:
+        stop.set()
+    # equal halves make a step take 2 x 0.4 s (the slow one's 2 groups); by speed, 1 group: ~0.4 s
+    assert per_step < 0.6, (per_step, s["replicas"], got)
+    assert s["replicas"]["fast"]["share"] > 0.7 and s["replicas"]["slow"]["share"] < 0.3, s["replicas"]
+    assert got["fast"] > 2 * got["slow"] and s["over_quota"] == 0, (got, s["over_quota"])
+    assert s["replicas"]["fast"]["groups_per_s"] > 2 * s["replicas"]["slow"]["groups_per_s"]
+
+
+def test_above_staleness_0_the_fastest_replica_takes_whole_steps_and_a_slow_one_a_little(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=8)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    for worker, pace in (("fast", 0.02), ("slow", 0.16)):  # 8x slower
+        threading.Thread(target=replica_loop, args=(url, worker, pace, stop), daemon=True).start()
+    try:
+        for step in range(8):
+            assert len(trainer.get_batch(8, timeout=30)["groups"]) == 8
+            trainer.set_version(step + 1)
+        s = trainer.stats()
+    finally:
+        stop.set()
+    shares, made = s["replicas"], {w: c["accepted"] for w, c in s["workers"].items()}
+    assert shares["fast"]["share"] == 1.0 and 0.05 < shares["slow"]["share"] < 0.3, shares
+    assert made["fast"] > 4 * made["slow"] > 0, made  # 8 groups per lease at most, the slow one ~1
+
+
+def test_a_dead_replicas_lease_is_lost_in_seconds_and_its_groups_made_by_the_others(proxy):
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=4,
+                   lease_timeout=120.0)
+    trainer = ProxyClient(url, token=TOKEN)
+    r1 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r1"))
+    r2 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r2"))
+    trainer.set_version(0)
+    for v in range(2):  # both replicas make (and are measured on) one synchronous step each
+        made = 0
+        for i, (w, client) in enumerate([("r1", r1), ("r2", r2), ("r1", r1), ("r2", r2)]):
+            n = client.quota(w, v, 100, timeout=0)["groups"]
+            client.post_rollouts(groups_for(w, v, n, f"v{v}-{i}")) if n else None
+            made += n
+        assert made == 4 and len(trainer.get_batch(4, timeout=0)["groups"]) == 4
+        trainer.set_version(v + 1)
+    held = r2.quota("r2", 2, 100, timeout=0)["groups"]  # r2 takes its lease, then dies (never posts)
+    assert held > 0
+    n = r1.quota("r1", 2, 100, timeout=0)["groups"]
+    r1.post_rollouts(groups_for("r1", 2, n, "v2-a"))
+    assert n == 4 - held
+    t0 = time.monotonic()
+    q = r1.quota("r1", 2, 100, timeout=30)  # r2's lease stops counting within its pace's 3x (2 s floor)
+    waited = time.monotonic() - t0
+    assert q["groups"] == held and waited < 5.0, (q, waited)  # not --lease-timeout's 120 s
+    r1.post_rollouts(groups_for("r1", 2, held, "v2-b"))
+    assert len(trainer.get_batch(4, timeout=0)["groups"]) == 4
+    late = r2.post_rollouts(groups_for("r2", 2, held, "v2-late"))  # it was only late: not over quota
+    assert (late["accepted"], late["over_quota"]) == (held, 0)
 
 
 def test_done_ends_the_quota_long_polls(proxy):

@@ -55,7 +55,8 @@ def make_groups(model, seed=0, prefix=PREFIX):
         for c in range(G):
             ids = [rng.randrange(4, 100) for _ in range(rng.randint(1, 9))]
             reward = 1.0 if k == EQUAL_GROUP else float((c + k) % 3 == 0)
-            comps.append({"ids": ids, "logprobs": [0.0] * len(ids), "reward": reward})
+            comps.append({"ids": ids, "logprobs": [0.0] * len(ids), "reward": reward,
+                          "finish_reason": "length" if (c + k) % 4 == 1 else "stop"})  # 1 in 4: no EOS
         groups.append({"prompt_ids": shared + [rng.randrange(4, 100) for _ in range(P)], "completions": comps,
                        "policy_version": k % 3, "group_id": f"g{k}", "worker": "w"})
     seqs = trainer.flatten_groups(groups, MAX_LEN)
@@ -73,9 +74,13 @@ def padded(seqs, key):
     return torch.tensor([list(s[key]) + [0] * (C - len(s["ids"])) for s in seqs], dtype=torch.float)  # (B, C)
 
 
-def trl_loss(logps, seqs, advantages, loss_type, microbatches, ref=None, beta=0.0, delta=None):
-    """TRL's _compute_loss on the whole step, written out (bnpo: per micro-batch, / their number)."""
+def trl_loss(logps, seqs, advantages, loss_type, microbatches, ref=None, beta=0.0, delta=None,
+             mask_truncated=False):
+    """TRL 1.16's _compute_loss on the whole step, written out (bnpo: per micro-batch, / their
+    number), with its defaults use_bias_correction_kl=True and mask_truncated_completions=False."""
     old, mask = padded(seqs, "logprobs"), (padded(seqs, "ids") != 0).float()  # (B, C); ids are never 0
+    if mask_truncated:  # TRL: completion_mask = completion_mask * (~is_truncated).unsqueeze(1).int()
+        mask = mask * torch.tensor([not s["truncated"] for s in seqs]).unsqueeze(1)  # (B, C)
     coef_1 = torch.exp(logps - old)  # (B, C)
     coef_2 = torch.clamp(coef_1, 1 - EPS, 1 + EPS_HIGH)  # (B, C)
     if delta is not None:
@@ -83,15 +88,18 @@ def trl_loss(logps, seqs, advantages, loss_type, microbatches, ref=None, beta=0.
     adv = advantages.unsqueeze(1)  # (B, 1)
     per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)  # (B, C)
     if beta:
-        per_token_loss = per_token_loss + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+        kl = torch.exp(ref - logps) - (ref - logps) - 1  # (B, C)
+        kl = kl * torch.exp(logps - old)  # (B, C) use_bias_correction_kl: times coef_1, before delta
+        per_token_loss = per_token_loss + beta * kl
     masked = per_token_loss * mask  # (B, C)
     if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1)).mean()
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "dr_grpo":
         return masked.sum() / (len(seqs) * MAX_LEN)
     if loss_type == "dapo":
         return masked.sum() / mask.sum()
-    return sum(masked[mb].sum() / mask[mb].sum() for mb in microbatches) / len(microbatches)  # bnpo
+    mb_means = [masked[mb].sum() / mask[mb].sum().clamp(min=1.0) for mb in microbatches]
+    return sum(mb_means) / len(microbatches)  # bnpo
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +129,14 @@ def test_logprobs_equal_the_plain_forward(lora_model, seqs):
             torch.testing.assert_close(got * mb["mask"], want * mb["mask"], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("beta,delta", [(0.0, None), (0.04, 1.5)])
+@pytest.mark.parametrize("beta,delta,mask_truncated", [(0.0, None, False), (0.04, 1.5, False),
+                                                        (0.0, None, True), (0.04, 1.5, True)])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_loss_and_lora_gradients_equal_trl_on_the_plain_forward(lora_model, seqs, loss_type, beta, delta):
+def test_loss_and_lora_gradients_equal_trl_on_the_plain_forward(lora_model, seqs, loss_type, beta, delta,
+                                                               mask_truncated):
     model = lora_model
+    assert 0 < sum(s["truncated"] for s in seqs) < len(seqs), "completions with and without EOS"
+
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
     advantages = grpo_loss.group_advantages(rewards, G)  # (B,)
     assert torch.all(advantages[EQUAL_GROUP * G:(EQUAL_GROUP + 1) * G] == 0)
@@ -137,7 +149,8 @@ def test_loss_and_lora_gradients_equal_trl_on_the_plain_forward(lora_model, seqs
     model.zero_grad(set_to_none=True)
     stats = trainer.compute_loss_and_backward(model, seqs, advantages, mbs, loss_type=loss_type, epsilon=EPS,
                                               epsilon_high=EPS_HIGH, beta=beta, max_completion_length=MAX_LEN,
-                                              temperature=T, delta=delta, version=2)
+                                              temperature=T, delta=delta, version=2,
+                                              mask_truncated_completions=mask_truncated)
     got = lora_grads(model)
     assert stats["finite"] and stats["groups_forwarded"] == len(PROMPT_LENGTHS) - (beta == 0)
 
@@ -148,7 +161,7 @@ def test_loss_and_lora_gradients_equal_trl_on_the_plain_forward(lora_model, seqs
         with torch.no_grad(), model.disable_adapter():
             ref = plain_logprobs(model, seqs, everything, T)  # (B, C)
     want_loss = trl_loss(plain_logprobs(model, seqs, everything, T), seqs, advantages, loss_type, mbs, ref, beta,
-                         delta)
+                         delta, mask_truncated)
     want_loss.backward()
     want = lora_grads(model)
 

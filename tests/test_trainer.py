@@ -201,6 +201,24 @@ def published(stdout):
     return [int(v) for v in re.findall(r"^published v(\d+) at step \d+$", stdout, re.M)]
 
 
+def test_truncated_means_ended_without_eos_as_trl_counts_it():
+    """TRL's completions/clipped_ratio counts the completions whose last token is not EOS: here the
+    replica's finish_reason says so ("stop": EOS, "length": the limit); a completion longer than
+    max_completion_length (cut by the trainer) is truncated whatever it claims."""
+    comp = {"ids": [5, 6, 3], "logprobs": [-1.0] * 3, "reward": 1.0, "text": ""}
+    reasons = ["stop", "length", "stop", None]  # None: no finish_reason at all (not the proxy's JSON)
+    group = {"group_id": "g", "policy_version": 0, "worker": "w", "prompt_ids": [4],
+             "completions": [dict(comp, finish_reason=r) for r in reasons if r] + [comp]}
+    cut = dict(comp, ids=[5] * 5, logprobs=[-1.0] * 5, finish_reason="stop")  # 5 tokens > the limit 4
+    seqs = trainer.flatten_groups([group, {**group, "completions": [cut] * 4}], 4)
+    assert [s["truncated"] for s in seqs] == [False, True, False, True] + [True] * 4
+    a = trainer.parse_args(["--model", "m", "--bucket", "b", "--proxy", "p"])
+    assert a.use_bias_correction_kl and not a.mask_truncated_completions  # TRL 1.16's defaults
+    a = trainer.parse_args(["--model", "m", "--bucket", "b", "--proxy", "p",
+                            "--no-use-bias-correction-kl", "--mask-truncated-completions"])
+    assert not a.use_bias_correction_kl and a.mask_truncated_completions
+
+
 def test_run_learns_the_toy_task(cluster, tiny_model):
     r = subprocess.run(cluster.cmd(24, "--save-every", "10"), cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=240)
@@ -220,6 +238,8 @@ def test_run_learns_the_toy_task(cluster, tiny_model):
     assert len(loaded) >= 5, "the replica should have hot-loaded several published versions"
     assert all(k in recs[-1] for k in ("loss", "ratio_mean", "clip_low_frac", "grad_norm", "wait_s", "tokens_per_s",
                                        "approx_kl", "clip_frac", "by_staleness"))
+    n = CONTRACT["groups_per_step"] * CONTRACT["num_generations"]  # completions per step
+    assert all(0 <= m["truncated"] <= n and m["clipped_ratio"] == m["truncated"] / n for m in recs)
     lr = [1e-3 * (1 - i / 24) for i in range(24)]  # --lr-scheduler-type linear (the default): 1e-3 down to 0
     assert [m["learning_rate"] for m in recs] == pytest.approx(lr)
     assert cluster.replica.wait(timeout=60) == 0, "the replica exits by itself once the trainer is done"

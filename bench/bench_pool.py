@@ -1,0 +1,196 @@
+"""Benchmark: a pool of unequal and dying replicas, side by side. One fast replica alone; the fast
+one + a replica k x slower (k = --slowdowns); the fast one + an equal one; the fast one + an equal
+one SIGKILLed mid-lease every --kill-every steps (and started again at once: a preempted machine
+coming back). bench_async.py's roles and measurements, one run per column.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_pool.py                  # tiny model: ~6 min
+    .venv/bin/python bench/bench_pool.py --slowdowns 4 --steps 20 --kill-every 4
+
+A k x slower replica is rollout.py run by this file (--as-slow-replica K): after each generate
+call it sleeps (K - 1) x the call's measured time, so it delivers K x slower and the sleep takes no
+core (two cores cannot host two engines of different speed). Rows:
+
+  seconds per step     wall / measured steps; the trainer idle is its wait_s / wall
+  replica-i share      replica i's groups among those the proxy accepted in the measured steps
+  replica-i idle       1 - (generation seconds of its batches that ended in the window) / wall
+  dropped              groups stale on arrival + over quota (a killed replica's lease is neither)
+  bound                the fastest step the pool allows: max(T_train, B / sum of replica rates), the
+                       rates (groups per generation second) measured in that run, T_train from the
+                       fast-alone run; "of bound" is bound / seconds per step
+  cost per kill        (this column's wall - the equal pair's wall) / kills, against the fast
+                       replica's generation time for one step
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import urllib.request
+
+import bench_async as ba  # the roles as subprocesses, the step records, the load measurement
+
+
+def slow_replica(k, argv):
+    """rollout.py, k x slower: each generate call is followed by (k - 1) x its own time asleep."""
+    import rollout
+
+    def slowed(generate):
+        def generate_slowly(self, *args, **kwargs):
+            t0 = time.monotonic()
+            out = generate(self, *args, **kwargs)
+            time.sleep((k - 1) * (time.monotonic() - t0))  # a slower GPU, without taking a core
+            return out
+        return generate_slowly
+
+    rollout.HFEngine.generate = slowed(rollout.HFEngine.generate)
+    rollout.VLLMEngine.generate = slowed(rollout.VLLMEngine.generate)
+    rollout.main(argv)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--slowdowns", type=float, nargs="*", default=[2, 4, 8],
+      help="k of each fast + k x slower column")
+    a("--kill-every", type=int, default=5,
+      help="SIGKILL the second replica mid-lease every N steps (0: no kill columns)")
+    a("--staleness", type=int, default=2, help="the proxy's --max-staleness")
+    a("--steps", type=int, default=12, help="trainer steps measured per run")
+    a("--warmup", type=int, default=3, help="trainer steps before the measured ones (model loads)")
+    a("--groups", type=int, default=8, help="groups per trainer step, B")
+    a("--num-generations", type=int, default=8, help="G")
+    a("--max-new-tokens", type=int, default=64, help="completion length: T_gen against T_train")
+    a("--model", help="base model folder (default: the tiny test model, built into --out)")
+    a("--task", default="toy")
+    a("--out", default="/tmp/bench_pool", help="work folder (emptied first)")
+    a("--code", default=ba.ROOT, help="folder holding the role files to run")
+    opts = p.parse_args(argv)
+    opts.learning_rate, opts.lora_r, opts.poll_interval = 1e-5, 8, None  # bench_async's defaults
+    return opts
+
+
+def killer(every, warmup, kills):
+    """during(): after every `every`-th step, SIGKILL replica 1 once the proxy shows it holding a
+    lease, then start it again at once (same worker name). Appends each kill's time to `kills`."""
+    def during(url, start_replica, replicas, trainer):
+        done = set()
+        while trainer.proc.poll() is None:
+            steps = sum(1 for _, line in list(trainer.lines) if ba.STEP.match(line))
+            if steps > warmup and steps % every == 0 and steps not in done:
+                done.add(steps)
+                time.sleep(random.uniform(0.0, 0.3))
+                deadline = time.time() + 10
+                while time.time() < deadline:  # mid-lease: groups leased to it, not yet delivered
+                    try:
+                        answer = urllib.request.urlopen(url + "/stats", timeout=5)
+                        leased = json.load(answer)["leased"]
+                    except (OSError, ValueError):  # the proxy busy or ending: look again
+                        leased = {}
+                    if leased.get("replica-1", 0) > 0:
+                        break
+                    time.sleep(0.02)
+                victim = [r for r in replicas if r.name.split(".")[0] == "replica-1"][-1]
+                victim.proc.send_signal(signal.SIGKILL)
+                kills.append(time.time())
+                start_replica(1)
+            time.sleep(0.05)
+    return during
+
+
+def column(opts, label, slow=None, kill=False):
+    """One run: (label, summary, per-replica numbers)."""
+    replicas = 1 if slow is None else 2
+    o = argparse.Namespace(**{**vars(opts), "replicas": replicas})
+    py, here = sys.executable, os.path.abspath(__file__)
+
+    def replica(i):
+        if i == 1 and slow and slow != 1:
+            return [py, here, "--as-slow-replica", str(slow)], {}
+        return [py, os.path.join(os.path.abspath(opts.code), "rollout.py")], {}
+
+    kills = []
+    run_dir = os.path.join(opts.out, label.replace(" ", "_").replace("+", "plus"))
+    during = killer(opts.kill_every, opts.warmup, kills) if kill else None
+    run = ba.run_system(o, opts.staleness, os.path.join(run_dir, "bucket"), run_dir,
+                        replica=replica, during=during)
+    s = ba.summarize(run, opts.warmup, opts.steps, opts.num_generations)
+    m = {r["step"]: r for r in run["metrics"]}
+    t0, t1 = m[opts.warmup]["time"], m[opts.warmup + opts.steps]["time"]
+    window = [b for b in run["batches"] if t0 < b["t"] <= t1]
+    total, per = max(1, sum(b["accepted"] for b in window)), {}
+    for i in range(replicas):
+        name = f"replica-{i}"
+        mine = [b for b in window if b["replica"] == name]
+        gen = sum(b["gen_s"] for b in mine)
+        per[name] = {"share": sum(b["accepted"] for b in mine) / total,
+                     "idle": max(0.0, 1 - gen / (t1 - t0)),
+                     "rate": sum(b["accepted"] for b in mine) / gen if gen else 0.0}
+    s.update(label=label, per=per, kills=len([k for k in kills if t0 < k <= t1]),
+             over_quota=run["stats"]["over_quota"])
+    print(f"{label}: {s['step_s']:.3f} s/step (logs in {run_dir})", flush=True)
+    return s
+
+
+def print_table(rows, opts):
+    alone = rows[0]
+    t_train, t_gen = alone["T_train"], alone["T_gen"]
+    equal = next((r for r in rows if r["label"] == "+ equal"), None)
+    lines = [f"{'':<30}" + "".join(f"{r['label']:>14}" if len(r["label"]) < 14 else " " + r["label"]
+                                   for r in rows)]
+
+    def row(label, fmt):
+        lines.append(f"{label:<30}" + "".join(f"{fmt(r):>14}" for r in rows))
+
+    for r in rows:
+        rate = sum(p["rate"] for p in r["per"].values())  # groups per second, all replicas
+        r["bound"] = max(t_train, opts.groups / max(1e-9, rate))
+    row("seconds per step", lambda r: f"{r['step_s']:.3f}")
+    row("vs fast alone", lambda r: f"{alone['step_s'] / r['step_s']:.2f}x")
+    row("trainer idle", lambda r: f"{r['trainer_idle']:.1%}")
+    for i in range(2):
+        name = f"replica-{i}"
+        row(f"{name} share", lambda r: f"{r['per'][name]['share']:.1%}" if name in r["per"]
+            else "-")
+        row(f"{name} idle", lambda r: f"{r['per'][name]['idle']:.1%}" if name in r["per"] else "-")
+    row("groups dropped (stale+over)", lambda r: f"{r['dropped']}+{r['over_quota']}")
+    row("bound s/step", lambda r: f"{r['bound']:.3f}")
+    row("of bound", lambda r: f"{r['bound'] / r['step_s']:.0%}")
+    row("kills in measured steps", lambda r: f"{r['kills']}")
+    row("cost per kill (s)", lambda r: f"{(r['wall'] - equal['wall']) / r['kills']:.2f}"
+        if r["kills"] and equal else "-")
+    row("load average before/after", lambda r: f"{r['load'][0]}/{r['load'][1]}")
+    row("CPU of other processes", lambda r: f"{r['other_cpu']:.2f}")
+    print("\n".join(lines))
+    print(f"\nfast alone: T_train {t_train:.3f} s, T_gen {t_gen:.3f} s per step (the generation "
+          "time a kill is measured against)")
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--as-slow-replica":
+        return slow_replica(float(sys.argv[2]), sys.argv[3:])
+    opts = parse_args()
+    shutil.rmtree(opts.out, ignore_errors=True)
+    os.makedirs(opts.out)
+    if not opts.model:
+        import tiny_model
+
+        opts.model = tiny_model.build(os.path.join(opts.out, "tiny"))
+    print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, B={opts.groups}, "
+          f"--max-new-tokens {opts.max_new_tokens}, --max-staleness {opts.staleness}; "
+          f"{opts.warmup} warm-up + {opts.steps} measured steps; {os.cpu_count()} CPUs", flush=True)
+    plan = [("fast alone", None, False)] + [(f"+ {k:g}x slower", k, False) for k in opts.slowdowns]
+    if opts.kill_every:
+        plan += [("+ equal", 1, False), ("+ equal killed", 1, True)]
+    rows = [column(opts, label, slow, kill) for label, slow, kill in plan]
+    print()
+    print_table(rows, opts)
+    with open(os.path.join(opts.out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
