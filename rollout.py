@@ -42,7 +42,7 @@ import uuid
 from collections import namedtuple
 
 import sync
-from proxy import ProxyClient, ProxyError
+from proxy import ProxyClient, ProxyError, make_completion, make_group
 from tasks import TaskError, load_task, reward, shard_order  # the tasks and their rewards
 
 # Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The
@@ -115,27 +115,35 @@ class Replica:
         self.version, self.reload_s = latest, self.reload_s + time.time() - t0
 
     def step(self):
-        """Ask the proxy how many groups to make (a long poll, answered at once when the trainer is past our
-        adapter), load a newer adapter when there is one, make the groups. Returns False once the trainer is done."""
-        q = self.client.quota(self.worker, self.version, self.args.prompts_per_batch or 4096, timeout=30.0)
+        """One turn of the replica loop: ask, maybe reload, maybe generate. Returns False once the
+        trainer is done."""
+        # 1. ask: how many groups to make now. A long poll, answered at once when the trainer is
+        #    past our adapter (the version handshake: proxy.RolloutBuffer.quota).
+        most = self.args.prompts_per_batch or 4096
+        q = self.client.quota(self.worker, self.version, most, timeout=30.0)
         self.trainer_version = t = q["trainer_version"]
         if q["state"] == "done":
             self.log(f"the trainer is done (v{t}): exiting after {self.batches} batches")
             return False
-        if lagging := t is not None and t > self.version:  # the newest adapter makes the same groups fresher
+        # 2. maybe reload: the trainer is past our adapter, and the newest adapter makes the same
+        #    groups fresher.
+        lagging = t is not None and t > self.version
+        if lagging:
             self.refresh()
             lagging = t > self.version  # still: not visible in the bucket yet (a mount lags 10-30 s)
             if lagging and self.lag_logged != t and self.corrupt != t:  # corrupt: refresh said so
                 self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
                          f"v{self.version}: a mount lagging, or not the trainer's --bucket")
                 self.lag_logged = t
+        # 3. + 4. maybe generate, score and push: only when the proxy asks for groups, and with an
+        #    adapter the trainer has announced (a group from a later version would be refused).
         wait = q["groups"] == 0 or t is None or self.version > t
-        if wait and q["why"] and q["why"] != self.why:
+        if wait and q["why"] and q["why"] != self.why:  # each reason to wait said once
             self.log(f"waiting: {q['why']}")
         self.why = q["why"] if wait else None
         if not wait:
             self.batch(q["groups"])
-        elif lagging:
+        elif lagging:  # no newer adapter in the bucket yet: look again in a moment
             time.sleep(self.args.poll_interval)
         return True
 
@@ -150,15 +158,17 @@ class Replica:
         gen_s = time.time() - t0
         # The proxy's group record (proxy.GROUP). All-equal rewards are sent too: the proxy's
         # --zero-variance decides what to do with them.
-        groups = [{"group_id": uuid.uuid4().hex, "policy_version": self.version,
-                   "worker": self.worker,
-                   "prompt": self.prompts[i][0], "prompt_ids": list(self.prompts[i][1]),
-                   "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                   "completions": [{"ids": list(s.ids), "logprobs": list(s.logprobs),
-                                    "reward": reward(args.task, s.text, self.items[i]),
-                                    "text": s.text, "finish_reason": s.finish_reason}
-                                   for s in group_samples]}
-                  for i, group_samples in zip(idx, samples)]
+        groups = []
+        for i, group_samples in zip(idx, samples):
+            text, ids = self.prompts[i]
+            completions = [make_completion(ids=s.ids, logprobs=s.logprobs, text=s.text,
+                                           reward=reward(args.task, s.text, self.items[i]),
+                                           finish_reason=s.finish_reason)
+                           for s in group_samples]
+            groups.append(make_group(group_id=uuid.uuid4().hex, policy_version=self.version,
+                                     worker=self.worker, prompt=text, prompt_ids=ids,
+                                     temperature=args.temperature,
+                                     max_new_tokens=args.max_new_tokens, completions=completions))
         reply = self.client.post_rollouts(groups)
         rewards = [c["reward"] for g in groups for c in g["completions"]]
         n_tokens = sum(len(c["ids"]) for g in groups for c in g["completions"])
