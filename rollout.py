@@ -130,7 +130,8 @@ class Replica:
         lagging = t is not None and t > self.version
         if lagging:
             self.refresh()
-            lagging = t > self.version  # still: not visible in the bucket yet (a mount lags 10-30 s)
+            # still behind: not visible in the bucket yet (a mount lags 10-30 s)
+            lagging = t > self.version
             if lagging and self.lag_logged != t and self.corrupt != t:  # corrupt: refresh said so
                 self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
                          f"v{self.version}: a mount lagging, or not the trainer's --bucket")
