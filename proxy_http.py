@@ -93,7 +93,8 @@ def query_int(q, key, lo, hi):
     return int(v)
 
 
-def query_seconds(q):  # a long poll's timeout: a plain decimal (no sign, NaN, inf), cut to MAX_POLL_S
+def query_seconds(q):
+    """A long poll's timeout: a plain decimal (no sign, NaN, inf), cut to MAX_POLL_S."""
     plain = re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", q["timeout"], re.ASCII)
     check(plain, "timeout", "must be seconds >= 0")
     return min(float(q["timeout"]), MAX_POLL_S)
@@ -114,7 +115,8 @@ class DeadlineReader(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """JSON in and out, quiet, keep-alive, one deadline per request. Subclasses set do_GET, do_POST."""
+    """JSON in and out, quiet, keep-alive, one deadline per request. Subclasses set do_GET,
+    do_POST."""
     protocol_version = "HTTP/1.1"   # keep-alive: a replica reuses its connection
     disable_nagle_algorithm = True  # an answer goes out at once, not after a delayed ACK
     server_version, sys_version = "proxy.py", ""  # no Python version advertised
@@ -136,7 +138,8 @@ class Handler(BaseHTTPRequestHandler):
     def parse_request(self):
         if ok := super().parse_request():
             self.server.busy(self.connection)  # a request is being served: not evicted under it
-            self._body_pending = any(h in self.headers for h in ("Content-Length", "Transfer-Encoding"))
+            body_headers = ("Content-Length", "Transfer-Encoding")
+            self._body_pending = any(h in self.headers for h in body_headers)
         return ok
 
     def log_message(self, format, *args):  # quiet: the server logs a summary once a minute
@@ -174,10 +177,11 @@ class Handler(BaseHTTPRequestHandler):
         n = lengths[0].strip()
         check(len(lengths) == 1 and n.isascii() and n.isdigit() and len(n) <= 18, "Content-Length",
               "must be one non-negative integer")
-        if (n := int(n)) > self.max_body:  # refused from the header alone; the connection then closed
+        # refused from the header alone; the connection is then closed
+        if (n := int(n)) > self.max_body:
             raise ApiError(f"body of {n} bytes exceeds --max-body-mb {self.max_body / 2**20:g} "
-                           f"({self.max_body} bytes): send fewer groups per POST, or raise proxy.py "
-                           "--max-body-mb", 413)
+                           f"({self.max_body} bytes): send fewer groups per POST, or raise "
+                           "proxy.py --max-body-mb", 413)
         body = bytearray()
         try:
             while len(body) < n and (chunk := self.rfile.read(min(CHUNK, n - len(body)))):
@@ -207,7 +211,8 @@ class Server(ThreadingHTTPServer):
     """One thread per connection, at most `max_connections`, by class (the module's docstring).
     `count(key)`: the subclass's counters (rejected, refused_connections, closed_idle)."""
     daemon_threads = True
-    block_on_close = False  # long polls and idle keep-alive connections don't hold up server_close()
+    # long polls and idle keep-alive connections don't hold up server_close()
+    block_on_close = False
     request_queue_size = 1024  # socketserver's 5 drops connections when replicas reconnect at once
     BUSY = json.dumps({"error": "too many connections (--max-connections): retry later"}).encode()
 
@@ -227,7 +232,8 @@ class Server(ThreadingHTTPServer):
     def get_request(self):
         try:
             return super().get_request()
-        except OSError as e:  # out of file descriptors, the socket stays readable: back off, no spin
+        # out of file descriptors, the socket stays readable: back off, no spin
+        except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 time.sleep(0.1)
             raise
@@ -268,16 +274,18 @@ class Server(ThreadingHTTPServer):
         self.shutdown_request(request)
 
     def authenticated(self, sock, cls):
-        """A request on `sock` authenticated as `cls` ("replica" or "trainer"). ApiError 503 when the
-        replicas' share (max_connections - reserve) is taken: the rest stays for the trainer."""
+        """A request on `sock` authenticated as `cls` ("replica" or "trainer"). ApiError 503 when
+        the replicas' share (max_connections - reserve) is taken: the rest stays for the
+        trainer."""
         with self.lock:
             entry = self.conns.get(sock)
             if entry is None or entry[0] == cls or entry[0] == "trainer":
                 return
             if cls == "replica" and sum(c == "replica" for c, _ in self.conns.values()) >= (
                     self.max_connections - self.reserve):
-                raise ApiError("too many replica connections (--max-connections less a reserve for the "
-                               "trainer): retry later", 503, {"Retry-After": str(RETRY_AFTER_S)})
+                raise ApiError("too many replica connections (--max-connections less a reserve "
+                               "for the trainer): retry later", 503,
+                               {"Retry-After": str(RETRY_AFTER_S)})
             entry[0] = cls
 
     def busy(self, sock):

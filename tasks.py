@@ -1,9 +1,10 @@
-"""The tasks a replica trains on and their rewards: prompts from a split, and a score per completion.
+"""The tasks a replica trains on and their rewards: prompts from a split, a score per completion.
 
-    arith   "What is A + B?" (A, B <= 20); held-out pairs chosen by a hash   reward: the last number
-    gsm8k   grade-school math (local JSONL or the hub's openai/gsm8k)          reward: the last number
-    math    MATH (local JSONL or the hub's MATH-lighteval), \\boxed{} answers  reward: math-verify
-    toy     "Say a digit." for the tiny test model                            reward: a "7" anywhere
+    task    prompts                                                      reward
+    arith   "What is A + B?" (A, B <= 20); held-out pairs by a hash      the last number
+    gsm8k   grade-school math (local JSONL or the hub's openai/gsm8k)    the last number
+    math    MATH (local JSONL or the hub's MATH-lighteval), \\boxed{}    math-verify
+    toy     "Say a digit." for the tiny test model                       a "7" anywhere
 
 rollout.py imports load_task, reward and shard_order from here; the tests import the rest.
 
@@ -43,7 +44,8 @@ def number_reward(completion, reference):
 
 
 def gsm8k_reference(answer):
-    """GSM8K answers end in "#### N": return N ("1,080" stays as written; number_reward drops commas)."""
+    """GSM8K answers end in "#### N": return N ("1,080" stays as written; number_reward drops
+    commas)."""
     return answer.split("####")[-1].strip()
 
 
@@ -156,8 +158,9 @@ def reward(task, completion, item):
 
 
 def arith_is_test(a, b):
-    """The held-out (A, B) pairs, 1 in 5 by a hash of the pair: never trained on, only --eval. (Not
-    (21 A + B) % 5, which is (A + B) % 5: every held-out answer would end in 0 or 5, no training one.)"""
+    """The held-out (A, B) pairs, 1 in 5 by a hash of the pair: never trained on, only --eval.
+    (Not (21 A + B) % 5, which is (A + B) % 5: every held-out answer would end in 0 or 5, no
+    training one.)"""
     return int(hashlib.sha256(f"{a} + {b}".encode()).hexdigest(), 16) % 5 == 0
 
 
@@ -167,8 +170,10 @@ def load_task(task, split, data=None):
     if task == "toy":
         return [{"question": "Say a digit.", "answer": "7"}]
     if task == "arith":
-        pairs = [(a, b) for a in range(21) for b in range(21) if arith_is_test(a, b) == (split == "test")]
-        random.Random(0).shuffle(pairs)  # a fixed order (not --seed), so --limit picks the same problems
+        pairs = [(a, b) for a in range(21) for b in range(21)
+                 if arith_is_test(a, b) == (split == "test")]
+        # a fixed order (not --seed), so --limit picks the same problems
+        random.Random(0).shuffle(pairs)
         return [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
     if task not in ("gsm8k", "math"):
         raise ValueError(f"unknown task {task!r}: use gsm8k, math, arith or toy")
@@ -187,8 +192,10 @@ def load_task(task, split, data=None):
         rows = datasets.load_dataset("DigitalLearningGmbH/MATH-lighteval", "default", split=split)
     if task == "math":
         return [math_item(r, f"{data or 'MATH'} ({split}) row {i + 1}") for i, r in enumerate(rows)]
-    return [{"question": r["question"] + "\nThink step by step, then end your reply with the final answer "
-             "as a plain number.", "answer": gsm8k_reference(r["answer"])} for r in rows]
+    instruction = ("\nThink step by step, then end your reply with the final answer as a plain "
+                   "number.")
+    return [{"question": r["question"] + instruction, "answer": gsm8k_reference(r["answer"])}
+            for r in rows]
 
 
 def math_item(row, where):
@@ -206,8 +213,10 @@ def math_item(row, where):
 
 
 def shard_order(n_items, seed, replica_id, num_replicas):
-    """Endless item indices for one replica: its own slice, reshuffled each epoch with seed + replica_id."""
-    mine = list(range(replica_id, n_items, num_replicas)) or list(range(n_items))  # toy: 1 item for all
+    """Endless item indices for one replica: its own slice, reshuffled each epoch with
+    seed + replica_id."""
+    # toy has 1 item: then every replica takes all
+    mine = list(range(replica_id, n_items, num_replicas)) or list(range(n_items))
     rng = random.Random(seed + replica_id)
     while True:
         rng.shuffle(mine)

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
 from conftest import free_port, wait_port  # noqa: E402  (the tests' helpers)
-from proxy import ProxyClient, ProxyError  # noqa: E402
+from proxy import ProxyClient, ProxyError, make_completion, make_group  # noqa: E402
 
 TOKEN = "chaos-token"  # the trainer's (PROXY_TOKEN): every endpoint
 ROLLOUT_TOKEN = "chaos-rollout-token"  # the replicas' (ROLLOUT_TOKEN): /rollouts, /quota, /config, /stats only
@@ -440,11 +440,12 @@ def model_limits(model):
 def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner", crafter=None):
     """One group as a replica POSTs it, made hostile as `kind` (ALLOWED, EITHER or REFUSED) says."""
     (vocab, longest), G, T = limits, contract["num_generations"], contract["max_new_tokens"]
-    completions = [{"ids": [rng.randrange(vocab) for _ in range(T)], "logprobs": [-4.6] * T, "reward": float(j % 2),
-                    "text": "", "finish_reason": "length"} for j in range(G)]
-    g = {"group_id": f"{worker}-{uuid.uuid4().hex}", "policy_version": version, "worker": worker, "prompt": kind,
-         "prompt_ids": [rng.randrange(vocab) for _ in range(8)], "temperature": contract["temperature"],
-         "max_new_tokens": T, "completions": completions}
+    completions = [make_completion(ids=[rng.randrange(vocab) for _ in range(T)],
+                                   logprobs=[-4.6] * T, reward=float(j % 2), text="",
+                                   finish_reason="length") for j in range(G)]
+    g = make_group(group_id=f"{worker}-{uuid.uuid4().hex}", policy_version=version, worker=worker,
+                   prompt=kind, prompt_ids=[rng.randrange(vocab) for _ in range(8)],
+                   temperature=contract["temperature"], max_new_tokens=T, completions=completions)
     first = completions[0]
     if kind == "logprob -999":  # negative advantage: exp(new - old) ~ e^995 without the trainer's log-ratio cap
         for c in completions[::2]:
@@ -577,11 +578,15 @@ def lying_group(contract, version, limits, rng):
     completions = []
     for _ in range(contract["num_generations"]):
         n = rng.randint(1, T)
-        completions.append({"ids": [rng.randrange(vocab) for _ in range(n)], "text": "", "finish_reason": "length",
-                            "logprobs": [rng.uniform(-30, 0) for _ in range(n)], "reward": float(rng.random() < 0.5)})
-    return {"group_id": f"chaos-liar-{uuid.uuid4().hex}", "policy_version": version, "worker": "chaos-liar",
-            "prompt": "lie", "prompt_ids": [rng.randrange(vocab) for _ in range(rng.randint(4, 40))],
-            "temperature": contract["temperature"], "max_new_tokens": T, "completions": completions}
+        completions.append(make_completion(ids=[rng.randrange(vocab) for _ in range(n)], text="",
+                                           finish_reason="length",
+                                           logprobs=[rng.uniform(-30, 0) for _ in range(n)],
+                                           reward=float(rng.random() < 0.5)))
+    prompt_ids = [rng.randrange(vocab) for _ in range(rng.randint(4, 40))]
+    return make_group(group_id=f"chaos-liar-{uuid.uuid4().hex}", policy_version=version,
+                      worker="chaos-liar", prompt="lie", prompt_ids=prompt_ids,
+                      temperature=contract["temperature"], max_new_tokens=T,
+                      completions=completions)
 
 
 def liar(system, limits, rng, stop, report):

@@ -1226,3 +1226,18 @@ def test_cli_refuses_a_public_address_without_a_token_and_bad_settings():
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+def test_make_group_builds_the_one_group_record_the_proxy_checks():
+    """One definition of the group record: make_group and make_completion return exactly GROUP's
+    and COMPLETION's fields, in their order, and what they build passes validate_group."""
+    from proxy import COMPLETION, CONTRACT, GROUP, make_completion, make_group, validate_group
+
+    c = make_completion(ids=(5, 2), logprobs=(-0.5, -0.1), reward=1.0, text="7",
+                        finish_reason="stop")
+    g = make_group(group_id="g1", policy_version=0, worker="replica-0", prompt="Say a digit.",
+                   prompt_ids=(1, 2, 3), temperature=1.0, max_new_tokens=4,
+                   completions=[c, dict(c, reward=0.0)])
+    assert list(g) == list(GROUP) and list(c) == list(COMPLETION)
+    assert g["prompt_ids"] == [1, 2, 3] and c["ids"] == [5, 2]  # JSON lists, not tuples
+    validate_group(g, dict(CONTRACT, num_generations=2, max_new_tokens=4))
