@@ -63,7 +63,10 @@ MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-LEASE_FLOOR_S = 2.0  # a measured replica's lease counts as coming >= this (and 3x its own pace)
+LEASE_FLOOR_S = 1.0  # a measured replica's lease counts as coming >= this (and 3x its own pace)
+# above max_staleness 0, a lease of a replica this much slower than the asker does not count as
+# coming: the asker makes those groups too (RolloutBuffer._coming)
+SLOWER = 1.5
 # counted in total and per worker
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET",
@@ -366,8 +369,9 @@ class RolloutBuffer:
         if version < t - S:
             return 0, (f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load "
                        "a newer adapter")
-        # the live leases of the other replicas: groups already coming
-        others = [lease.n for w, lease in self.leases.items() if w != worker and lease.until > now]
+        # the other replicas' live leases that will arrive in time: groups already coming
+        others = [lease.n for w, lease in self.leases.items()
+                  if self._coming(worker, w, lease, now)]
         leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
         lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
         if lack <= 0:
@@ -379,6 +383,18 @@ class RolloutBuffer:
             lack = math.ceil(lack / max(0.05, kept))
         share = max(1, round(B * self._shares(now, worker)[worker]))
         return min(most, lack, share), None
+
+    def _coming(self, worker, w, lease, now):
+        """Does replica w's lease count as coming when `worker` asks? Live, and not from a replica
+        much slower than the asker (above max_staleness 0): the asker makes those groups as well,
+        and the slow replica's arrive on top, used while fresh. So a slow replica's share is never
+        what the trainer waits for; at max_staleness 0 the step takes exactly B, and every lease
+        counts."""
+        if w == worker or lease.until <= now:
+            return False
+        mine, theirs = self.pace.get(worker), self.pace.get(w)
+        return (self.contract["max_staleness"] == 0 or mine is None or theirs is None
+                or theirs <= SLOWER * mine)
 
     def _shares(self, now, asking=None):
         """{worker: the fraction of a step it may make} for the replicas with live leases, from
