@@ -9,9 +9,10 @@
 #                                            # bucket lag
 #
 # Every setting is an environment variable; the values in use are printed at start and listed
-# in README.md. The run's contract (G, groups per step, staleness, temperature, new tokens) is
-# given to the proxy only: replicas and trainer read it from the proxy's /config. The run ends
-# when the trainer does: it tells the proxy, then the replicas and the proxy exit by themselves.
+# in docs/settings.md. The run's contract (G, groups per step, staleness, temperature, new
+# tokens) is given to the proxy only: replicas and trainer read it from the proxy's /config.
+# The run ends when the trainer does: it tells the proxy, then the replicas and the proxy exit
+# by themselves.
 # Written for bash 3.2 too (macOS's /bin/bash): no "${array[@]}" of an array that can be empty.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -38,7 +39,7 @@ mode=hf action=launch
 case "${1:-}" in
   --local) mode=local ;;
   status|logs|stop|preflight) action=$1 ;;
-  -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
   "") ;;
   *) die "unknown argument '$1': use --local, status, logs [ROLE], stop or preflight" ;;
 esac

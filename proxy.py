@@ -916,7 +916,7 @@ class ProxyClient:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="The hub of an async GRPO run: contract, rollout "
-                                "buffer, quota. Flags, fields and status codes: README.md.")
+                                "buffer, quota. Fields and status codes: docs/protocol.md.")
     a = p.add_argument
     a("--host", default="127.0.0.1",
       help="address to listen on; anything but loopback needs a token")
