@@ -56,7 +56,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
-from conftest import free_port, wait_port  # noqa: E402  (the tests' helpers)
+from conftest import free_port, processes_mentioning, wait_port  # noqa: E402
 from proxy import ProxyClient, ProxyError, make_completion, make_group  # noqa: E402
 
 TOKEN = "chaos-token"  # the trainer's (PROXY_TOKEN): every endpoint
@@ -258,23 +258,6 @@ def check_publishes(trainer_log):
     versions = [int(v) for v, _ in PUBLISHED.findall(trainer_log)]
     assert versions == sorted(set(versions)), f"a version was published twice or out of order: {versions}"
     return versions
-
-
-def processes_mentioning(text):
-    """PIDs (other than this one) whose command line contains `text`."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            found.append((int(pid), cmd))
-    return found
-
 
 # ----------------------------------------------------------------------------- the system
 

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 import sync
-from conftest import free_port, jobs_sh
+from conftest import free_port, jobs_sh, processes_mentioning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,20 +34,8 @@ def run_env(tiny_model, name, **extra):
 def processes_of(run_dir, proxy_port):
     """(pid, command) of the run's processes: those whose command line mentions the run's folder
     (replicas and trainer get runs/NAME/bucket) and the proxy on its port."""
-    run_dir = os.path.relpath(run_dir, ROOT)
-    proxy = f"proxy.py --host 127.0.0.1 --port {proxy_port} "
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if run_dir in cmd or proxy in cmd:
-            pids.append((int(pid), cmd))
-    return pids
+    return processes_mentioning(os.path.relpath(run_dir, ROOT),
+                                f"proxy.py --host 127.0.0.1 --port {proxy_port} ")
 
 
 def kill_leftovers(run_dir, proxy_port):
