@@ -243,14 +243,19 @@ def print_table(rows, opts):
               f"against max(T_gen, T_train) = {max(tg, tt):.3f} s ({max(tg, tt) / r['step_s']:.0%})")
 
 
-def main():
-    opts = parse_args()
+def fresh_out(opts):
+    """Empty the work folder --out; build the tiny test model there unless --model names one."""
     shutil.rmtree(opts.out, ignore_errors=True)
     os.makedirs(opts.out)
     if not opts.model:
         import tiny_model
 
         opts.model = tiny_model.build(os.path.join(opts.out, "tiny"))
+
+
+def main():
+    opts = parse_args()
+    fresh_out(opts)
     print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, {opts.groups} groups per trainer "
           f"step, --max-new-tokens {opts.max_new_tokens}, lr {opts.learning_rate}, LoRA r {opts.lora_r}; "
           f"{opts.replicas} replica(s) (--engine hf) + 1 trainer, 1 thread each; {opts.warmup} warm-up + {opts.steps} "

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -173,12 +172,7 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--as-slow-replica":
         return slow_replica(float(sys.argv[2]), sys.argv[3:])
     opts = parse_args()
-    shutil.rmtree(opts.out, ignore_errors=True)
-    os.makedirs(opts.out)
-    if not opts.model:
-        import tiny_model
-
-        opts.model = tiny_model.build(os.path.join(opts.out, "tiny"))
+    ba.fresh_out(opts)
     print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, B={opts.groups}, "
           f"--max-new-tokens {opts.max_new_tokens}, --max-staleness {opts.staleness}; "
           f"{opts.warmup} warm-up + {opts.steps} measured steps; {os.cpu_count()} CPUs", flush=True)

@@ -43,7 +43,6 @@ import os
 import random
 import re
 import select
-import shutil
 import struct
 import sys
 import threading
@@ -54,7 +53,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
-from bench_async import BATCH, LOADED, PUBLISHED, STEP, Role, role_env  # noqa: E402
+from bench_async import BATCH, LOADED, PUBLISHED, STEP, Role, fresh_out, role_env  # noqa: E402
 from chaos import TcpRelay, aws_env, start_moto  # noqa: E402
 from conftest import free_port, make_s3_bucket, wait_port  # noqa: E402
 
@@ -403,12 +402,7 @@ def main():
     p.add_argument("--model", help="base model folder (default: the tiny test model, built into --out)")
     p.add_argument("--out", default="/tmp/bench_propagation", help="work folder: model, buckets, logs (emptied first)")
     opts = p.parse_args()
-    shutil.rmtree(opts.out, ignore_errors=True)
-    os.makedirs(opts.out)
-    if not opts.model:
-        import tiny_model
-
-        opts.model = tiny_model.build(os.path.join(opts.out, "tiny"))
+    fresh_out(opts)
     print(f"workload: tiny model, task toy, G={opts.num_generations}, {opts.groups_per_step} groups per step, "
           f"--max-new-tokens {opts.max_new_tokens}; {opts.replicas} replica(s) --engine hf (--poll-interval "
           f"{opts.poll_interval if opts.poll_interval is not None else 'default'}) + trainer, 1 thread each, "
