@@ -541,12 +541,15 @@ def test_adapter_cache_temp_folder_is_removed_when_the_process_ends(tmp_path, en
     make_adapter(tmp_path / "a")
     sync.publish_adapter(bucket, str(tmp_path / "a"), 0)
     tmp.mkdir()
-    code = ("import sys, time, sync; cache = sync.AdapterCache(prefix='rollout-0-'); "
-            "print(cache.pull(sys.argv[1], 0), flush=True); sys.argv[2] == 'SIGTERM' and time.sleep(120)")
+    # the child says whether the pulled file is there: with "exit" it may be gone by the time we look
+    code = ("import os, sys, time, sync; cache = sync.AdapterCache(prefix='rollout-0-'); "
+            "p = cache.pull(sys.argv[1], 0); "
+            "print(p, os.path.isfile(os.path.join(p, 'adapter_config.json')), flush=True); "
+            "sys.argv[2] == 'SIGTERM' and time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code, bucket, ending], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "TMPDIR": str(tmp)})
-    path = proc.stdout.readline().strip()
-    assert path.startswith(str(tmp / "rollout-0-")) and os.path.isfile(os.path.join(path, "adapter_config.json"))
+    path, pulled = proc.stdout.readline().split()
+    assert path.startswith(str(tmp / "rollout-0-")) and pulled == "True"
     if ending == "SIGTERM":
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == (128 + signal.SIGTERM if ending == "SIGTERM" else 0)
