@@ -51,6 +51,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 LOG_RATIO_MAX = 20.0  # exp(20) = 4.9e8, far from float32's overflow at exp(88.7) (departure 6)
 
 
+# ---- ALGO: the step's math in trainer.py's order: 2. advantages (group_advantages)
+# 3. log-probs (token_logprobs, log_ratio)  4. the loss (policy_loss, microbatch_weight)
+
 def group_advantages(rewards, group_size, scale_rewards="group"):
     """Advantage of each completion against the other completions of its prompt.
 
@@ -196,6 +199,31 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     return loss, stats
 
 
+def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
+    """Factor for one micro-batch's policy_loss in the sum over the micro-batches of a step.
+
+    mb_mask: (b, T) completion mask of the micro-batch's forwarded rows; total_sequences: B of the
+    whole step; num_microbatches: how many micro-batches the step was split into.
+    "grpo", "dr_grpo": the share of the sequences, so that the sum equals (in value and gradient)
+      the loss of the whole batch at once, whatever the split.
+    "dapo": 1; call policy_loss with num_tokens = the whole step's token count: the sum is then
+      the whole batch's token mean, whatever the split.
+    "bnpo": 1 / num_microbatches, with num_tokens = the micro-batch's token count: exactly TRL
+      (loss / gradient_accumulation_steps). With one micro-batch it equals "dapo"; with several
+      it is the mean of the micro-batches' token means, so a token in a micro-batch with few
+      tokens weighs more, and the result depends on how --micro-batch-tokens splits the step.
+    """
+    if loss_type in ("grpo", "dr_grpo"):  # a mean over sequences: weight by the share of sequences
+        return mb_mask.size(0) / total_sequences
+    if loss_type == "bnpo":  # TRL: loss = loss / self.current_gradient_accumulation_steps
+        return 1.0 / num_microbatches
+    if loss_type == "dapo":  # already divided by the whole batch's token count
+        return 1.0
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
+
+
+# ---- SUPPORT: the logs' off-policy statistics and the finite check (not needed to follow a step)
+
 def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None):
     """How far the trained policy is from the sampler's on these tokens, per row (for the logs).
 
@@ -224,26 +252,3 @@ def all_finite(tensors):
         if t is not None:
             flags.setdefault(t.device, []).append(torch.isfinite(t).all())  # () on t's device
     return all(bool(torch.stack(f).all()) for f in flags.values())
-
-
-def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
-    """Factor for one micro-batch's policy_loss in the sum over the micro-batches of a step.
-
-    mb_mask: (b, T) completion mask of the micro-batch's forwarded rows; total_sequences: B of the
-    whole step; num_microbatches: how many micro-batches the step was split into.
-    "grpo", "dr_grpo": the share of the sequences, so that the sum equals (in value and gradient)
-      the loss of the whole batch at once, whatever the split.
-    "dapo": 1; call policy_loss with num_tokens = the whole step's token count: the sum is then
-      the whole batch's token mean, whatever the split.
-    "bnpo": 1 / num_microbatches, with num_tokens = the micro-batch's token count: exactly TRL
-      (loss / gradient_accumulation_steps). With one micro-batch it equals "dapo"; with several
-      it is the mean of the micro-batches' token means, so a token in a micro-batch with few
-      tokens weighs more, and the result depends on how --micro-batch-tokens splits the step.
-    """
-    if loss_type in ("grpo", "dr_grpo"):  # a mean over sequences: weight by the share of sequences
-        return mb_mask.size(0) / total_sequences
-    if loss_type == "bnpo":  # TRL: loss = loss / self.current_gradient_accumulation_steps
-        return 1.0 / num_microbatches
-    if loss_type == "dapo":  # already divided by the whole batch's token count
-        return 1.0
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")

@@ -18,7 +18,7 @@ clip_grad_norm_, AdamW) with one of two paths:
               compute_loss_and_backward (the common prefix forwarded once, each group's rest of the
               prompt once, the KV caches repeated for the G completions)
   old         the plain path it replaced: rows [prompt | completion] packed by rows, every prompt
-              forwarded G times (test_shared_prompt.plain_logprobs, the reference of the exactness test)
+              forwarded G times (trainer.plain_logprobs, the reference of the exactness test)
 
   step s      seconds per step, median over the repeats; speed-up = old / new
   cpu s       CPU seconds of the worker per step (median): less disturbed than step s by other load
@@ -80,12 +80,11 @@ def old_loss_and_backward(model, seqs, advantages, microbatches):
     """The plain path's step (loss dapo): each row [pad.. prompt | completion ..pad] forwarded whole."""
     import grpo_loss
     import trainer
-    from test_shared_prompt import plain_logprobs
 
     total_tokens = sum(len(s["ids"]) for s in seqs)
     for idx in microbatches:
         mb = trainer.collate(seqs, idx, advantages, "cpu")  # old log-probs, mask, advantages: the same
-        logps = plain_logprobs(model, seqs, idx, 1.0)  # (n, C)
+        logps = trainer.plain_logprobs(model, seqs, idx, 1.0)  # (n, C)
         loss, _ = grpo_loss.policy_loss(logps, mb["old_logprobs"], mb["advantages"], mb["mask"],
                                         num_tokens=total_tokens)
         loss.backward()

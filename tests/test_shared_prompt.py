@@ -4,7 +4,7 @@
 
 trainer.completion_logprobs sends each group's prompt through the model once and forwards the G
 completions on top of its KV cache. The reference here is the plain path it replaced
-(`plain_logprobs`: every row [left-padded prompt | completion] forwarded whole), and TRL's loss
+(`trainer.plain_logprobs`: every row [left-padded prompt | completion] forwarded whole), and TRL's loss
 formulas written out below, independently of grpo_loss.py. The data: groups whose prompts have
 different lengths (left padding inside one micro-batch), completions of different lengths (right
 padding), temperature 0.7, sampler log-probs off by up to +-0.5 nats (so that ratios leave the clip
@@ -27,24 +27,6 @@ EQUAL_GROUP = 3  # its rewards are all equal
 BUDGET = 108  # --micro-batch-tokens: 3 micro-batches, the equal-reward group sharing one
 
 
-def plain_logprobs(model, seqs, idx, temperature):
-    """The old path, the reference: each row [pad.. prompt | completion ..pad] in one forward
-    (a prompt is computed once per completion). Returns (n, C) log-probs, garbage on padding."""
-    P = max(len(seqs[i]["prompt_ids"]) for i in idx)
-    C = max(len(seqs[i]["ids"]) for i in idx)
-    input_ids = torch.zeros((len(idx), P + C), dtype=torch.long)  # (n, P+C)
-    attn = torch.zeros_like(input_ids)  # (n, P+C)
-    for r, i in enumerate(idx):
-        pr, ids = seqs[i]["prompt_ids"], seqs[i]["ids"]
-        input_ids[r, P - len(pr):P + len(ids)] = torch.tensor(pr + ids)
-        attn[r, P - len(pr):P + len(ids)] = 1
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # (n, P+C)
-    device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=position_ids.to(device),
-                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1]  # (n, C, V) position j predicts token j
-    return grpo_loss.token_logprobs(logits, input_ids[:, P:].to(device), temperature)  # (n, C)
-
-
 def make_groups(model, seed=0, prefix=PREFIX):
     """Groups in the proxy's JSON form; sampler log-probs = the model's own (plain path) + noise."""
     rng = random.Random(seed)
@@ -61,7 +43,7 @@ def make_groups(model, seed=0, prefix=PREFIX):
                        "policy_version": k % 3, "group_id": f"g{k}", "worker": "w"})
     seqs = trainer.flatten_groups(groups, MAX_LEN)
     with torch.no_grad():
-        lp = plain_logprobs(model, seqs, list(range(len(seqs))), T)  # (B, C)
+        lp = trainer.plain_logprobs(model, seqs, list(range(len(seqs))), T)  # (B, C)
     gen = torch.Generator().manual_seed(seed)
     for r, s in enumerate(seqs):
         noise = (torch.rand(len(s["ids"]), generator=gen) - 0.5).tolist()  # ratios 0.6 .. 1.65
@@ -125,7 +107,7 @@ def test_logprobs_equal_the_plain_forward(lora_model, seqs):
             mb = trainer.collate(data, idx, adv, "cpu")
             assert prefix is None or mb["prefix_ids"].shape[1] == prefix
             got = trainer.completion_logprobs(lora_model, mb, T)  # (n, C)
-            want = plain_logprobs(lora_model, data, idx, T)  # (n, C)
+            want = trainer.plain_logprobs(lora_model, data, idx, T)  # (n, C)
             torch.testing.assert_close(got * mb["mask"], want * mb["mask"], atol=2e-5, rtol=1e-5)
 
 
@@ -159,8 +141,8 @@ def test_loss_and_lora_gradients_equal_trl_on_the_plain_forward(lora_model, seqs
     ref = None
     if beta:
         with torch.no_grad(), model.disable_adapter():
-            ref = plain_logprobs(model, seqs, everything, T)  # (B, C)
-    want_loss = trl_loss(plain_logprobs(model, seqs, everything, T), seqs, advantages, loss_type, mbs, ref, beta,
+            ref = trainer.plain_logprobs(model, seqs, everything, T)  # (B, C)
+    want_loss = trl_loss(trainer.plain_logprobs(model, seqs, everything, T), seqs, advantages, loss_type, mbs, ref, beta,
                          delta, mask_truncated)
     want_loss.backward()
     want = lora_grads(model)
@@ -181,7 +163,7 @@ def test_asynchrony_stats_overall_and_by_staleness(lora_model, seqs):
     stats = trainer.compute_loss_and_backward(model, seqs, advantages, trainer.make_microbatches(seqs, BUDGET),
                                               epsilon=EPS, epsilon_high=EPS_HIGH, temperature=T, version=3)
     with torch.no_grad():
-        lp = plain_logprobs(model, seqs, list(range(len(seqs))), T)  # (B, C)
+        lp = trainer.plain_logprobs(model, seqs, list(range(len(seqs))), T)  # (B, C)
     old, mask = padded(seqs, "logprobs"), (padded(seqs, "ids") != 0).float()  # (B, C)
     log_r = (lp - old) * mask  # (B, C)
     r = log_r.exp()  # (B, C)

@@ -1,0 +1,469 @@
+"""sync.py's support: the bucket backends (a directory, S3), the trainer's resume state, the
+metrics records, the command line. Not needed to follow an adapter's hand-off (sync.py).
+
+    python -m pytest tests/test_sync.py -q
+
+A Bucket is the storage interface (read, write, list, delete of '/'-separated keys) that sync.py's
+publish, find and pull go through: DirBucket for a local or mounted directory, S3Bucket for
+s3://bucket/prefix; both ride out an outage once they worked (Bucket._retrying). The trainer's
+resume state is saved as an adapter is published: its files, a manifest, then one small object
+naming it (trainer/STATE). This file imports sync only inside the functions that call it (sync.py
+imports this one).
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+import uuid
+
+LATEST, STATE, MANIFEST = "adapters/LATEST", "trainer/STATE", "manifest.json"
+METRICS_KEY = re.compile(r"^metrics/step-(\d{6,})\.json$")
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")  # one part of a file name from the bucket
+# the temp files of DirBucket's writes of LATEST and metrics
+TEMP_KEY = re.compile(r"^(adapters/\.LATEST|metrics/\.step-\d{6,}\.json)\.[0-9a-f]{8}\.tmp$")
+TEMP_MAX_AGE_S = 600.0  # a temp file this old is a killed write's: publish_adapter deletes it
+
+
+class BucketError(Exception):
+    """Something the user can fix; the message says what was wrong and what to set or do."""
+
+
+class CorruptAdapter(BucketError):
+    """A file holds other bytes than its manifest lists (no lagging mount does: versions never
+    change)."""
+
+
+class _Outage(Exception):
+    """A failure that may pass (endpoint unreachable, 5xx, a mount gone): retried, see
+    Bucket.retry_s."""
+
+
+def _entry(data):
+    """A file's line in a manifest: its sha256 and its size."""
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+# ---- the trainer's resume state, and its metrics records
+
+def save_trainer_state(bucket, local_dir):
+    """Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
+    then delete older states: a crash at any point leaves the previous state loadable."""
+    b, src = _open(bucket), DirBucket(local_dir)
+    files = {_safe_name(local_dir, rel): src.read(rel) for rel in src.list()}
+    if MANIFEST in files:
+        raise BucketError(f"{local_dir}/{MANIFEST}: that name is reserved for sync.py's manifest")
+    state_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    prefix = f"trainer/{state_id}/"
+    for rel, data in files.items():
+        b.write(prefix + rel, data)
+    manifest = {"id": state_id, "created": time.time(),
+                "files": {k: _entry(v) for k, v in files.items()}}
+    b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
+    b.write(STATE, json.dumps({"id": state_id}).encode())  # the switch: one small object
+    for key in b.list("trainer/"):  # the previous state, and leftovers of crashed saves
+        if key != STATE and not key.startswith(prefix):
+            b.delete(key)
+
+
+def _state_id(b):
+    """The ID trainer/STATE names (None when there is none); BucketError if it is torn or not an
+    ID."""
+    if (raw := b.read(STATE)) is None:
+        return None
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        if isinstance(state_id := json.loads(raw)["id"], str) and SAFE_NAME.fullmatch(state_id):
+            return state_id
+    raise BucketError(f"{b.url}: {STATE} holds {raw[:100]!r}, not {{\"id\": ID}} as "
+                      "save_trainer_state writes it: put back the ID of a trainer/ID/ folder, or "
+                      "delete it to start training afresh")
+
+
+def load_trainer_state(bucket, dest_dir, timeout=60.0):
+    """Write the current trainer state's files into dest_dir and return it; None if there is
+    none."""
+    import sync  # the pull's verified fetch (sync.py imports this module: not at its top)
+
+    b = _open(bucket)
+    if (state_id := _state_id(b)) is None:
+        return None
+    files = sync._fetch_verified(b, f"trainer/{state_id}/", timeout, f"trainer state {state_id}")
+    os.makedirs(dest_dir, exist_ok=True)
+    for rel, data in files.items():
+        if rel != MANIFEST:
+            DirBucket(dest_dir).write(rel, data)
+    return dest_dir
+
+
+def append_metrics(bucket, record):
+    """Store one trainer step's record (a dict with an int "step") as metrics/step-{step:06d}.json.
+    Nothing is read back and rewritten, so a bad read (a mount not caught up, S3 answering
+    NoSuchKey) cannot lose history, and a step redone after a resume replaces its record instead
+    of doubling it."""
+    step = record.get("step")
+    if type(step) is not int or step < 0:
+        raise BucketError(f"a metrics record needs an int \"step\" >= 0, got {step!r}")
+    _open(bucket).write(f"metrics/step-{step:06d}.json", json.dumps(record).encode())
+
+
+def read_metrics(bucket):
+    """Every step's record, oldest step first ([] when there is none; one torn on a mount is
+    skipped).
+    One read per step (on S3 one GET each): for a report, not for a loop."""
+    b, records = _open(bucket), []
+    steps = sorted((int(m.group(1)), k) for k in b.list("metrics/") if (m := METRICS_KEY.match(k)))
+    for _, key in steps:
+        with contextlib.suppress(ValueError, TypeError):
+            records.append(json.loads(b.read(key)))
+    return records
+
+
+# ---- the buckets: a directory (DirBucket) or S3 (S3Bucket), behind one interface (Bucket)
+
+def open_bucket(url, retry_s=0.0):
+    """A local path (also a mounted bucket) or s3://bucket/prefix -> Bucket (retry_s: see
+    Bucket)."""
+    url = os.fspath(url)
+    if url.startswith("hf://"):
+        raise BucketError(f"{url}: mount it (hf jobs run -v hf://buckets/USER/NAME:/bucket) and "
+                          "pass /bucket, or use s3://NAME/prefix with "
+                          "AWS_ENDPOINT_URL=https://s3.hf.co/USER")
+    if not url or ("://" in url and not url.startswith("s3://")):
+        raise BucketError(f"unsupported bucket {url!r}: pass a directory or s3://bucket/prefix")
+    b = S3Bucket(url) if url.startswith("s3://") else DirBucket(url)
+    b.retry_s = retry_s
+    return b
+
+
+def _open(bucket):
+    return open_bucket(bucket) if isinstance(bucket, (str, os.PathLike)) else bucket
+
+
+def _safe_name(where, name):
+    """name when each '/'-part is a plain file name (a NUL, .. or /etc/passwd is not); else
+    BucketError."""
+    if isinstance(name, str) and all(SAFE_NAME.fullmatch(part) for part in name.split("/")):
+        return name
+    raise BucketError(f"{where}: {name!r} is not a safe file name (each /-part: letters, digits, "
+                      "_ . + -, not starting with a dot): rename or remove it")
+
+
+class Bucket:
+    """The storage interface: .url, read(key) -> bytes | None, write(key, data: bytes),
+    list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated.
+    Once the bucket has worked, a failure that may pass (S3 unreachable or 5xx, a mount gone or
+    read-only) is retried for up to retry_s seconds (open_bucket's argument; one stderr line as the
+    outage starts, one as it ends), then BucketError. A bucket that never worked fails at once."""
+
+    retry_s = 0.0
+
+    def _retrying(self, what, attempt, retry):
+        try:
+            return attempt()
+        except _Outage as e:
+            if not (retry and self.retry_s > 0):
+                raise BucketError(str(e)) from None
+            error, since, delay = e, time.monotonic(), 0.5
+        print(f"sync.py: {what} failed, retrying for up to {self.retry_s:g} s: {error}",
+              file=sys.stderr)
+        while (left := since + self.retry_s - time.monotonic()) > 0:  # backoff 0.5 s .. 10 s
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 10.0)
+            try:
+                result = attempt()
+            except _Outage as e:
+                error = e
+                continue
+            print(f"sync.py: {what} done after {time.monotonic() - since:.1f} s of retries",
+                  file=sys.stderr)
+            return result
+        raise BucketError(f"{error} (still failing after {self.retry_s:g} s of retries)")
+
+
+class DirBucket(Bucket):
+    """A local or mounted directory. write() is a temp file + os.replace: a reader sees the old
+    bytes or the new, never half (a mount's upload is still eventually consistent: see above).
+    Each folder on a key's way is opened with O_NOFOLLOW: a symlink planted in the bucket is a
+    BucketError, never a way to read, write or delete outside it."""
+
+    def __init__(self, root):
+        self.url = os.path.abspath(os.path.expanduser(root))
+        # the folder was there / a write succeeded: a later failure is an outage to ride out
+        self.seen = self.written = False
+
+    def _path(self, key):
+        return os.path.join(self.url, *key.split("/"))
+
+    def _open_at(self, fd, name, flags, key):
+        """os.open(name, flags, dir_fd=fd), refusing a symlink with a BucketError that says so."""
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+        except OSError:
+            # readlink works on a symlink only (else the open's own error stands)
+            with contextlib.suppress(OSError):
+                if os.readlink(name, dir_fd=fd):
+                    raise BucketError(f"{self.url}: {key} goes through the symlink {name!r}; a "
+                                      "directory bucket follows none (one could lead outside it): "
+                                      "put the real file or folder there")
+            raise
+
+    @contextlib.contextmanager
+    def _folder(self, key, create=False):
+        """(fd of key's folder, key's file name), the folders opened one by one from the bucket's
+        down."""
+        *folders, name = key.split("/")
+        if {"", ".", ".."} & {name, *folders}:
+            raise BucketError(f"{self.url}: {key!r} is not a key (an empty, . or .. part)")
+        fd = os.open(self.url, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for folder in folders:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, dir_fd=fd)
+                fd, parent = self._open_at(fd, folder, os.O_RDONLY | os.O_DIRECTORY, key), fd
+                os.close(parent)
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def read(self, key):
+        return self._retrying(f"read {key}", lambda: self._read(key), self.seen)
+
+    def _read(self, key):
+        try:
+            with self._folder(key) as (fd, name):
+                with open(self._open_at(fd, name, os.O_RDONLY, key), "rb") as f:
+                    data = f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            if os.path.isdir(self.url):
+                self.seen = True
+            elif self.seen:  # not an empty bucket: the folder was there (a mount that dropped)
+                raise _Outage(f"{self.url}: the bucket folder is gone or not a folder any more; "
+                              "bring the mount or folder back") from None
+            return None
+        except OSError as e:  # e.g. a FUSE mount that lost its connection
+            raise _Outage(f"cannot read {self._path(key)}: {e.strerror}; check the mount") from None
+        self.seen = True
+        return data
+
+    def write(self, key, data):
+        self._retrying(f"write {key}", lambda: self._write(key, data), self.written)
+        self.seen = self.written = True
+
+    def _write(self, key, data):
+        try:
+            os.makedirs(self.url, exist_ok=True)
+            with self._folder(key, create=True) as (fd, name):
+                # one a kill leaves is listed, so pruned with its folder
+                tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                try:
+                    with open(self._open_at(fd, tmp, flags, key), "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                except BaseException:  # a failed write leaves no temp file behind
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=fd)
+                    raise
+        except OSError as e:
+            raise _Outage(f"cannot write {self._path(key)}: {e.strerror}; that folder must be "
+                          "writable (mount a bucket read-write) and have free space") from None
+
+    def list(self, prefix=""):
+        folders, keys = prefix.split("/")[:-1], []  # walk only the deepest folder the prefix names
+        deepest = "/".join([*folders, "-"])  # "-": a stand-in file name
+        with contextlib.suppress(OSError), self._folder(deepest) as (fd, _):
+            for folder, _, names, _ in os.fwalk(dir_fd=fd):  # never into a symlinked folder
+                rel = "/".join(folders + ([] if folder == "." else [folder[2:]]))
+                keys += [k for n in names if (k := f"{rel}/{n}" if rel else n).startswith(prefix)]
+        return sorted(keys)
+
+    def prune_temp(self, older_than=TEMP_MAX_AGE_S):
+        """Delete the temp files of LATEST and metrics writes a kill cut short (older_than s
+        old)."""
+        for key in self.list("adapters/.") + self.list("metrics/."):
+            with contextlib.suppress(OSError), self._folder(key) as (fd, name):
+                age = time.time() - os.lstat(name, dir_fd=fd).st_mtime
+                if TEMP_KEY.match(key) and age > older_than:
+                    os.unlink(name, dir_fd=fd)
+
+    def delete(self, key):
+        with contextlib.suppress(OSError):
+            with self._folder(key) as (fd, name):
+                os.unlink(name, dir_fd=fd)
+            path = self._path(key)
+            # drop the folders left empty (the key was checked by _folder above)
+            while (path := os.path.dirname(path)) != self.url:
+                os.rmdir(path)
+
+
+class S3Bucket(Bucket):
+    """s3://bucket/prefix through boto3, which reads AWS_ENDPOINT_URL and the credentials itself."""
+
+    def __init__(self, url):
+        import boto3
+        from botocore.config import Config
+
+        self.name, _, prefix = url[len("s3://"):].partition("/")
+        self.prefix, self.url = prefix.strip("/"), url.rstrip("/")
+        if not self.name:
+            raise BucketError(f"{url!r} names no bucket: write s3://BUCKET/PREFIX")
+        session = boto3.session.Session()
+        config = Config(  # what HF Storage Buckets need; AWS S3, R2 and MinIO accept it too
+            s3={"addressing_style": "path"},  # bucket in the path, not in the host name
+            request_checksum_calculation="when_required",  # no trailing CRC checksums on PUT
+            response_checksum_validation="when_required",
+            retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)
+        region = session.region_name or "us-east-1"
+        self.client = session.client("s3", region_name=region, config=config)
+        self.endpoint = self.client.meta.endpoint_url
+        # once a request succeeded, unreachable / 5xx is an outage to ride out
+        self.answered = False
+
+    def _key(self, key):
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what, fn):
+        return self._retrying(what, lambda: self._call_once(what, fn), self.answered)
+
+    def _call_once(self, what, fn):
+        """One S3 request; botocore's errors become a BucketError saying what to set (or an
+        _Outage)."""
+        from botocore import exceptions as bx
+
+        outage = False
+        try:
+            result = fn()
+            self.answered = True
+            return result
+        except (bx.NoCredentialsError, bx.PartialCredentialsError):
+            msg = ("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (for HF "
+                   "Storage Buckets: the S3 key pair generated from your HF token)")
+        except (bx.ConnectionError, bx.HTTPClientError) as e:
+            outage = True
+            msg = (f"cannot reach the S3 endpoint {self.endpoint} ({type(e).__name__}): set "
+                   "AWS_ENDPOINT_URL to your store (https://s3.hf.co/<namespace> for HF Storage "
+                   "Buckets; unset for AWS S3) and check the network")
+        except bx.ParamValidationError as e:
+            msg = f"bad S3 request: {e}"
+        except bx.ClientError as e:
+            code, text = e.response["Error"].get("Code", ""), e.response["Error"].get("Message", "")
+            known = {"NoSuchBucket": f"bucket {self.name!r} does not exist at {self.endpoint}: "
+                     "create it (hf buckets create / aws s3 mb) or fix the bucket name",
+                     "PermanentRedirect": "the bucket lives in another region: set AWS_REGION"}
+            msg = known.get(code, f"{what} failed: {code} {text}")
+            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                        "ExpiredToken", "InvalidToken", "AllAccessDisabled"):
+                msg = (f"access denied ({code}) on {what}: check AWS_ACCESS_KEY_ID / "
+                       "AWS_SECRET_ACCESS_KEY and that they may read (replicas) or write "
+                       "(trainer) it")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            outage = status >= 500 or code in (
+                "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError")
+        raise (_Outage if outage else BucketError)(f"{self.url}: {msg}")
+
+    def read(self, key):
+        def get():
+            try:
+                obj = self.client.get_object(Bucket=self.name, Key=self._key(key))
+                return obj["Body"].read()
+            except self.client.exceptions.NoSuchKey:
+                return None
+        return self._call(f"read {key}", get)
+
+    def write(self, key, data):
+        self._call(f"write {key}", lambda: self.client.put_object(
+            Bucket=self.name, Key=self._key(key), Body=data))
+
+    def list(self, prefix=""):
+        full, skip = self._key(prefix), len(self.prefix) + 1 if self.prefix else 0
+
+        def listing():  # ListObjectsV2: HF Storage Buckets do not support V1
+            paginator = self.client.get_paginator("list_objects_v2")
+            pages = paginator.paginate(Bucket=self.name, Prefix=full)
+            return [o["Key"][skip:] for page in pages for o in page.get("Contents", [])]
+        return sorted(self._call(f"list {prefix or '/'}", listing))
+
+    def delete(self, key):
+        self._call(f"delete {key}", lambda: self.client.delete_object(
+            Bucket=self.name, Key=self._key(key)))
+
+
+# ---- the command line: python sync.py ls|pull|push|metrics
+
+def listing(bucket):
+    """The table `python sync.py ls` prints."""
+    import sync
+
+    b = _open(bucket)
+    latest, now = sync.latest_version(b), time.time()
+    lines = [f"{b.url}: LATEST = {'none' if latest is None else f'v{latest:06d}'}",
+             f"{'version':<9} {'files':>5} {'size':>10} {'age':>8} {'step':>6}"]
+    for v in sync.versions(b):
+        raw, mark = b.read(f"adapters/v{v:06d}/{MANIFEST}"), " <- LATEST" if v == latest else ""
+        try:  # json.loads(None): no manifest yet
+            m = json.loads(raw)
+            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+            age = now - m.get("created", now)
+            lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {age:>7.0f}s "
+                         f"{str(m.get('step', '-')):>6}{mark}")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            lines.append(f"v{v:06d}   (incomplete: no readable manifest.json){mark}")
+    steps = [k for k in b.list("metrics/") if METRICS_KEY.match(k)]
+    lines.append(f"trainer state: {_state_id(b) or 'none'}; metrics records: {len(steps)}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """python sync.py ls|pull|push|metrics BUCKET ..."""
+    import sync
+
+    p = argparse.ArgumentParser(description="Inspect and move LoRA adapters in a run's bucket.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list adapter versions with sizes, ages and LATEST")
+    pull = sub.add_parser("pull", help="download and verify one adapter version")
+    push = sub.add_parser("push", help="publish a PEFT adapter folder as a new version")
+    metrics = sub.add_parser("metrics",
+                             help="print the trainer's step records as JSON lines, oldest first")
+    for cmd in (ls, pull, push, metrics):
+        cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
+    pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")
+    pull.add_argument("--version", type=int, default=None, help="version to pull (default: LATEST)")
+    pull.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds to keep retrying while the files do not match the manifest")
+    push.add_argument("dir", help="folder with adapter_config.json and adapter_model.safetensors")
+    push.add_argument("--version", type=int, required=True,
+                      help="version number, newer than LATEST")
+    push.add_argument("--keep", type=int, default=6,
+                      help="newest versions kept; older ones are deleted")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "ls":
+            print(listing(args.bucket))
+        elif args.cmd == "metrics":
+            for record in read_metrics(args.bucket):
+                print(json.dumps(record))
+        elif args.cmd == "pull":
+            b = open_bucket(args.bucket)
+            version = sync.latest_version(b) if args.version is None else args.version
+            if version is None:
+                raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one "
+                                  "first (python sync.py push BUCKET DIR --version 0)")
+            print(sync.pull_adapter(b, version, args.dest, timeout=args.timeout))
+        else:
+            m = sync.publish_adapter(args.bucket, args.dir, args.version, keep=args.keep)
+            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+            print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to "
+                  f"{args.bucket}")
+    except BucketError as e:
+        sys.exit(f"sync.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
