@@ -113,8 +113,9 @@ def flatten_groups(groups, max_completion_length):
 
 
 # ---- ALGO, 2. advantages: grpo_loss.group_advantages (called in train)
-# ---- ALGO, 3. log-probs of the completions under the current policy: what plain_logprobs
-# computes, and completion_logprobs computes exactly so (a test shows it), each prompt once
+# ---- ALGO, 3. log-probs of the completions under the current policy. plain_logprobs is the
+# definition; completion_logprobs, which the step runs, gives the same values and gradients with
+# each prompt forwarded once (tests/test_shared_prompt.py checks them equal)
 
 def plain_logprobs(model, seqs, idx, temperature=1.0):
     """Log-probs (n, C) of the completion tokens of rows idx: each row [pad.. prompt | completion
