@@ -72,11 +72,8 @@ import torch
 
 import grpo_loss
 import sync
-from proxy import ProxyClient, ProxyError
-
-# the settings taken from the proxy (GET /config); a flag given here only double-checks them
-CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature",
-                  "max_completion_length")
+# CONTRACT_FLAGS: the settings taken from the proxy (GET /config); a flag only double-checks them
+from proxy import CONTRACT_FLAGS, ProxyClient, ProxyError
 DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
 ABSURD_RATIO = 1e3  # no sampler's honest mismatch: a group with a ratio above it is named (dep. 8)
 
@@ -365,12 +362,10 @@ def train(args):
     # rides out outages once it worked
     bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)
     client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN
-    proxy_name = {"max_completion_length": "max_new_tokens"}  # TRL's name -> the proxy's
     # a wrong URL or token ends here
-    contract = client.contract(flags={"max_new_tokens": "--max-completion-length"},
-                               **{proxy_name.get(k, k): getattr(args, k) for k in CONTRACT_FLAGS})
+    contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
     # the run's settings: the proxy's
-    vars(args).update({k: contract[proxy_name.get(k, k)] for k in CONTRACT_FLAGS})
+    vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
     tmp, key = tempfile.TemporaryDirectory(), os.environ.get("TRAINER_STATE_KEY") or None
     state_dir = sync.load_trainer_state(bucket, tmp.name)
     state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
