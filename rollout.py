@@ -1,4 +1,4 @@
-"""A rollout replica: hot-load the newest LoRA from the bucket, sample groups, score them, push them.
+"""A rollout replica: hot-load the newest LoRA from the bucket, sample groups, score and push them.
 
     python rollout.py --model HuggingFaceTB/SmolLM2-135M-Instruct --bucket /tmp/bucket \
         --proxy http://127.0.0.1:8000 --task arith

@@ -72,8 +72,8 @@ import torch
 
 import grpo_loss
 import sync
-# CONTRACT_FLAGS: the settings taken from the proxy (GET /config); a flag only double-checks them
-from proxy import CONTRACT_FLAGS, ProxyClient, ProxyError
+from proxy import CONTRACT_FLAGS, ProxyClient, ProxyError  # CONTRACT_FLAGS: read in train()
+
 DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
 ABSURD_RATIO = 1e3  # no sampler's honest mismatch: a group with a ratio above it is named (dep. 8)
 
