@@ -9,8 +9,8 @@
 #                                            # bucket lag
 #
 # Every setting is an environment variable; the values in use are printed at start and listed
-# in docs/settings.md. The run's contract (G, groups per step, staleness, temperature, new
-# tokens) is given to the proxy only: replicas and trainer read it from the proxy's /config.
+# in docs/settings.md. The run's contract (G, groups per step, staleness, temperature, completion
+# length) is given to the proxy only: replicas and trainer read it from the proxy's /config.
 # The run ends when the trainer does: it tells the proxy, then the replicas and the proxy exit
 # by themselves.
 # Written for bash 3.2 too (macOS's /bin/bash): no "${array[@]}" of an array that can be empty.
@@ -49,13 +49,15 @@ esac
 # ---------------------------------------------------------------------------------------------
 if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What is A + B?"
   : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=30}"
-  : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${MAX_NEW_TOKENS:=12}" "${LEARNING_RATE:=3e-4}"
+  : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${LEARNING_RATE:=3e-4}"
+  : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-12}}"   # MAX_NEW_TOKENS: its old name
   : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=100}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
   : "${NAME:=local-$(date +%Y%m%d-%H%M%S)}"
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
   : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
-  : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${MAX_NEW_TOKENS:=256}" "${LEARNING_RATE:=5e-5}"
+  : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${LEARNING_RATE:=5e-5}"
+  : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-256}}"  # MAX_NEW_TOKENS: its old name
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
   : "${ROLLOUT_FLAVORS:=}"   # a mixed pool, one replica per flavor: "a10g-small l4x1 t4-small"
@@ -69,6 +71,7 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   elif [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
   else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
 fi
+MAX_NEW_TOKENS=$MAX_COMPLETION_LENGTH  # the old name, kept equal for scripts that read it
 : "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
@@ -92,7 +95,7 @@ show_settings() {
   banner "settings (override any with VAR=value bash jobs.sh ...)"
   local v
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
-           TEMPERATURE MAX_NEW_TOKENS ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
+           TEMPERATURE MAX_COMPLETION_LENGTH ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
            LORA_ALPHA LOSS_TYPE BETA SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET \
            PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE \
            PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
@@ -106,7 +109,7 @@ show_settings() {
 proxy_args() {  # HOST PORT — the run's contract goes here, and only here
   ARGS=(proxy.py --host "$1" --port "$2" --num-generations "$NUM_GENERATIONS"
         --groups-per-step "$GROUPS_PER_STEP" --max-staleness "$MAX_STALENESS"
-        --temperature "$TEMPERATURE" --max-new-tokens "$MAX_NEW_TOKENS"
+        --temperature "$TEMPERATURE" --max-completion-length "$MAX_COMPLETION_LENGTH"
         --zero-variance "$ZERO_VARIANCE")
 }
 rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
@@ -266,7 +269,7 @@ $(tail -5 "$RUN/proxy.log")"
   # The evaluations run alone: they get every core (torch's default), the roles one thread each.
   env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter base \
     --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \
-    --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
+    --limit "$EVAL_LIMIT" --max-completion-length "$MAX_COMPLETION_LENGTH" \
     --eval-out "$RUN/eval-base.json" 2>"$RUN/eval-base.log" | tail -1
 
   banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS" \
@@ -297,7 +300,7 @@ $(tail -5 "$RUN/trainer.log")"
   banner "final adapter: greedy accuracy on the same held-out problems"
   env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter latest \
     --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \
-    --limit "$EVAL_LIMIT" --max-new-tokens "$MAX_NEW_TOKENS" \
+    --limit "$EVAL_LIMIT" --max-completion-length "$MAX_COMPLETION_LENGTH" \
     --eval-out "$RUN/eval-final.json" 2>"$RUN/eval-final.log" | tail -1
 
   banner "result"

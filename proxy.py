@@ -9,7 +9,8 @@ The proxy's part of a GRPO step, in this file's order (the state, all of it in R
                       oldest first (RolloutBuffer.take, GET /batch)
     4. the handshake  the trainer announces each adapter version (set_version, POST /version);
                       each replica asks how many groups to make (quota, GET /quota)
-Below the SUPPORT line: validation, credentials, the HTTP routes, serve(), the client, the CLI.
+Support, not needed to follow a step: proxy_server.py (validation, credentials, the HTTP routes,
+serve(), the CLI), proxy_client.py (ProxyClient), proxy_http.py (stdlib HTTP hardening).
 
     any token (the trainer's or a replica's):
     GET  /config    the contract (G, groups per step, max staleness, temperature, ...)
@@ -26,10 +27,9 @@ Below the SUPPORT line: validation, credentials, the HTTP routes, serve(), the c
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
 out; so is a replica's group beyond what /quota leased it (over_quota). A /batch answer the trainer
 does not acknowledge (?ack=, ProxyClient does) comes back to the buffer. Fields and status codes:
-docs/protocol.md; hostile peers: docs/hostile-peers.md. ProxyClient (rollout.py, trainer.py) needs
-`requests`. Tokens travel as `X-Proxy-Token: <token>` (Authorization is left to a gateway such as
-HF Jobs'). A replica's token is the shared ROLLOUT_TOKEN, or one bound to its worker name
-(--print-replica-token).
+docs/protocol.md; hostile peers: docs/hostile-peers.md. Tokens travel as `X-Proxy-Token: <token>`
+(Authorization is left to a gateway such as HF Jobs'). A replica's token is the shared
+ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
 
     python proxy.py --port 8000 --num-generations 8 --groups-per-step 16 --max-staleness 4  # local
     # exposed: the trainer's token, and the replicas' token
@@ -37,25 +37,16 @@ HF Jobs'). A replica's token is the shared ROLLOUT_TOKEN, or one bound to its wo
     python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q; python bench/bench_proxy.py
 """
 
-import argparse
 import collections
-import hashlib
-import hmac
-import json
-import logging
+import importlib
 import math
-import os
-import re
-import signal
-import sys
 import threading
 import time
 
-import proxy_http  # the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
-from proxy_http import (MAX_POLL_S, RETRY_AFTER_S, ApiError, check, parse_json,  # noqa: F401
-                        parse_query, query_int, query_seconds)
+from proxy_http import RETRY_AFTER_S, ApiError
 
-log = logging.getLogger("proxy")
+# the support half (proxy.serve, proxy.ProxyClient, ... resolve there: __getattr__ at the end)
+SUPPORT = ("proxy_server", "proxy_client", "proxy_http")
 
 MAX_NAME = 256          # characters in a group_id or a worker name
 MAX_COMPLETIONS = 4096  # completions in one group
@@ -69,21 +60,6 @@ LEASE_FLOOR_S = 1.0  # a measured replica's lease counts as coming >= this (and 
 SLOWER = 1.5
 # counted in total and per worker
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
-ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET",
-          "/healthz": "GET", "/batch": "GET", "/version": "POST", "/done": "POST"}
-# what the replicas' token opens
-REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}
-# the proxy's credentials; Authorization belongs to a gateway (HF Jobs)
-TOKEN_HEADER = "X-Proxy-Token"
-
-
-class ProxyError(Exception):
-    """An answer that retrying cannot fix (4xx but 429), or the client gave up. `answer`: the
-    proxy's JSON."""
-
-    def __init__(self, message, answer=None):
-        super().__init__(message)
-        self.answer = answer if isinstance(answer, dict) else {}
 
 
 class ConfigError(ValueError):
@@ -96,23 +72,29 @@ class ConfigError(ValueError):
 # The settings every role must share (TRL's names), and their defaults. proxy.py takes them as
 # flags; rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
 CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0,
-            "max_new_tokens": 256, "zero_variance": "keep", "max_prompt_length": 1024,
-            "reward_range": [0.0, 1.0]}
+            "max_completion_length": 256, "zero_variance": "keep", "max_prompt_length": 1024,
+            "reward_range": [0.0, 1.0],
+            "max_new_tokens": 256}  # max_completion_length's old name, kept equal to it
+OLD_NAMES = {"max_new_tokens": "max_completion_length"}  # still a flag, served, and accepted
 CONTRACT_HELP = {
     "num_generations": "completions per prompt, G",
     "groups_per_step": "groups the trainer takes per optimizer step, B",
     "max_staleness": "a group of version v is usable while trainer_version - v <= this "
                      "(0: synchronous)",
     "temperature": "sampling temperature (the trainer divides its logits by it)",
-    "max_new_tokens": "longest completion (the trainer's max_completion_length)",
+    "max_completion_length": "longest completion, in tokens (old name: --max-new-tokens)",
     "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop "
                      "(DAPO)",
     "max_prompt_length": "longest prompt a group may carry, in tokens (TRL's old GRPOConfig name)",
     "reward_range": "LO HI: every reward lies in [LO, HI] (every task here scores 0 or 1)"}
+# The settings a role may also be given as flags, only to double-check GET /config (one that
+# disagrees is an error: ProxyClient.contract). Each role takes those it has.
+CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature",
+                  "max_completion_length")
 
 
 # ---- ALGO, 2. the group record: the one definition of a group (make_group builds it, the
-# proxy checks it field by field in validate_group, trainer.flatten_groups reads it)
+# proxy checks it field by field in proxy_server.validate_group, trainer.flatten_groups reads it)
 
 # The JSON schema, one row per field: (test, what the value must be). Any other field is refused, so
 # that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
@@ -130,7 +112,8 @@ GROUP = {"group_id": NAME,  # unique: a group_id seen before is a retry
          "worker": NAME,  # the replica's name (replica-{i})
          "prompt": TEXT, "prompt_ids": TOKEN_IDS,  # the chat-templated prompt, and its ids
          "temperature": (lambda v: FINITE[0](v) and v > 0, "a number > 0"),
-         "max_new_tokens": (lambda v: INDEX[0](v) and v > 0, "an integer > 0"),
+         # the run's; a group may carry it as max_new_tokens (the old name) too, or instead
+         "max_completion_length": (lambda v: INDEX[0](v) and v > 0, "an integer > 0"),
          "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
                          f"a list of 1 to {MAX_COMPLETIONS} completions")}  # G of COMPLETION
 COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the first EOS
@@ -141,11 +124,11 @@ COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the firs
 
 
 def make_group(*, group_id, policy_version, worker, prompt, prompt_ids, temperature,
-               max_new_tokens, completions):
+               max_completion_length, completions):
     """A group record with exactly GROUP's fields: what a replica POSTs (rollout.Replica.batch)."""
     return {"group_id": group_id, "policy_version": policy_version, "worker": worker,
             "prompt": prompt, "prompt_ids": list(prompt_ids), "temperature": temperature,
-            "max_new_tokens": max_new_tokens, "completions": completions}
+            "max_completion_length": max_completion_length, "completions": completions}
 
 
 def make_completion(*, ids, logprobs, reward, text, finish_reason):
@@ -526,68 +509,8 @@ class RolloutBuffer:
                     "uptime_s": round(time.time() - self.started, 1)}
 
 
-# ---- SUPPORT (validation, credentials, HTTP routes, serve, client, CLI): not needed to follow
-# a step.
-
-
-
-# ---- validation: pure functions, also used by bench/bench_proxy.py
-
-def check_fields(d, where, schema):
-    """Raise ApiError naming the first field of the JSON object `d` that `schema` does not allow."""
-    check(type(d) is dict, where, "must be a JSON object")
-    extra = set(d) - set(schema)
-    check(not extra, where, f"unknown fields {sorted(extra)[:5]} (expected {sorted(schema)})")
-    for key, (ok, what) in schema.items():
-        check(key in d, f"{where}.{key}", "missing")
-        check(ok(d[key]), f"{where}.{key}", f"must be {what}, got {type(d[key]).__name__}")
-
-
-def validate_group(g, contract, where="group"):
-    """Raise ApiError naming the first bad field of one group, or a setting that differs from the
-    run's."""
-    check_fields(g, where, GROUP)
-    # a sampler at another temperature would bias every ratio
-    for key in ("temperature", "max_new_tokens"):
-        flag = "--" + key.replace("_", "-")
-        check(g[key] == contract[key], f"{where}.{key}", f"{g[key]}, but this run samples with "
-              f"{key} {contract[key]} (proxy.py {flag}): start rollout.py without {flag}, it takes "
-              "the proxy's")
-    n, G = len(g["completions"]), contract["num_generations"]
-    check(n == G, f"{where}.completions", f"{n} completions, but this run has num_generations {G} "
-           "(proxy.py --num-generations): start rollout.py without --num-generations")
-    n, most = len(g["prompt_ids"]), contract["max_prompt_length"]
-    check(0 < n <= most, f"{where}.prompt_ids", f"{n} ids, but a prompt has 1 to "
-          f"max_prompt_length {most} (proxy.py --max-prompt-length)")
-    lo, hi = contract["reward_range"]
-    for j, c in enumerate(g["completions"]):
-        check_fields(c, w := f"{where}.completions[{j}]", COMPLETION)
-        lps, ids = c["logprobs"], c["ids"]
-        check(ids, f"{w}.ids", "empty: a completion has at least one token (the EOS)")
-        check(lo <= c["reward"] <= hi, f"{w}.reward", f"{c['reward']:g} is outside this run's "
-              f"reward_range [{lo:g}, {hi:g}] (proxy.py --reward-range LO HI)")
-        bad = next((i for i, x in enumerate(lps)
-                    if type(x) not in (int, float) or not MIN_LOGPROB <= x <= 0), None)
-        if bad is not None:
-            raise ApiError(f"{w}.logprobs[{bad}]: must be a log-prob in [{MIN_LOGPROB:g}, 0], got "
-                           f"{str(lps[bad])[:40]}")
-        check(len(lps) == len(ids), f"{w}.logprobs",
-              f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
-        most = g["max_new_tokens"]
-        check(len(ids) <= most, f"{w}.ids", f"{len(ids)} tokens exceed max_new_tokens {most}")
-
-
-def validate_rollouts(payload, max_groups, contract):
-    """The groups of a POST /rollouts body, every one checked before anything is changed."""
-    body = {"groups": (lambda v: type(v) is list and v != [], "a non-empty list")}
-    check_fields(payload, "body", body)
-    groups = payload["groups"]
-    check(len(groups) <= max_groups, "groups",
-          f"{len(groups)} in one POST exceed --max-groups {max_groups}")
-    for i, g in enumerate(groups):
-        validate_group(g, contract, f"groups[{i}]")
-    return groups
-
+# ---- SUPPORT: validation, credentials, the HTTP routes, serve() and the CLI in proxy_server.py;
+# ProxyClient in proxy_client.py; the stdlib HTTP hardening in proxy_http.py
 
 def group_bytes(g):
     """About the memory a buffered group holds (within ~10% by tracemalloc): ~70 bytes per sampled
@@ -597,394 +520,14 @@ def group_bytes(g):
             + sum(700 + 70 * len(c["ids"]) + len(c["text"]) for c in g["completions"]))
 
 
-# ---- credentials: the trainer's token, the replicas' secret R, a replica's name bound to R
-
-def replica_token(secret, worker):
-    """A replica's credential bound to its worker name: `worker:mac`, mac =
-    HMAC-SHA256_R(worker)[:32]."""
-    mac = hmac.new(secret.encode(), worker.encode(), hashlib.sha256).hexdigest()[:32]
-    return f"{worker}:{mac}"
-
-
-def replica_worker(secret, got):
-    """What the credential `got` (bytes) opens under the replicas' secret: "" for R itself (any
-    worker name), the bound worker name for replica_token(R, name), None for anything else."""
-    if not secret:
-        return None
-    if hmac.compare_digest(got, secret.encode()):
-        return ""
-    worker = got.rpartition(b":")[0].decode("latin-1")
-    want = replica_token(secret, worker).encode("latin-1", "replace")
-    ok = NAME[0](worker) and hmac.compare_digest(got, want)
-    return worker if ok else None
-
-
-# ---- HTTP: the routes (the hardening a service on the internet needs: proxy_http.py)
-
-class ProxyHandler(proxy_http.Handler):
-    buffer, token, rollout_token = None, None, None  # serve() binds one server's own
-
-    def _serve(self):
-        method, (path, _, query) = self.command, self.path.partition("?")
-        # a kept-alive connection to a closed server: hang up, the client reconnects
-        if self.buffer.closed:
-            self.close_connection = True
-            return
-        code, headers = 200, {}
-        try:
-            self._admit(method, path)
-            payload = self._route(path, query)
-        except ApiError as e:
-            code, payload, headers = e.code, {"error": str(e), **e.payload}, e.headers
-            self.close_connection |= code in (401, 503)  # no second try on the same connection
-        except Exception:
-            log.exception("proxy: internal error on %s %s", method, path[:80])
-            code, payload = 500, {"error": "internal error (see the proxy's log)"}
-        try:
-            self.reply(code, payload, headers)
-        except OSError:  # the client went away: the groups it did not get go back to the buffer
-            self.close_connection = True
-            if path == "/batch" and code == 200:
-                self.buffer.give_back(payload["groups"], payload["trainer_version"],
-                                      payload.get("delivery"))
-
-    do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
-
-    def _admit(self, method, path):
-        """404, 405, then the token: the trainer's opens every path, the replicas' (if any)
-        REPLICA_PATHS only."""
-        if path not in ROUTES:
-            raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves " +
-                           ", ".join(f"{m} {p}" for p, m in ROUTES.items()), 404)
-        if method != ROUTES[path]:
-            raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
-        if path == "/healthz":
-            return
-        # compared in constant time
-        got = self.headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")
-        trainer = not self.token or hmac.compare_digest(got, self.token.encode())
-        # a replica's: "" when unbound, else its worker name
-        self.bound = None if trainer else replica_worker(self.rollout_token, got)
-        if not trainer and self.bound is None:
-            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's "
-                           "PROXY_TOKEN, or the replicas' ROLLOUT_TOKEN); Authorization is left to "
-                           "a gateway", 401,
-                           {"WWW-Authenticate": f'ProxyToken header="{TOKEN_HEADER}"'})
-        # 503 when the replicas hold their share of connections
-        self.server.authenticated(self.connection, "trainer" if trainer else "replica")
-        if self.bound is not None and path not in REPLICA_PATHS:
-            raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' "
-                           "(--rollout-token, ROLLOUT_TOKEN): only the trainer drains /batch, sets "
-                           "the version and ends the run", 403)
-        # --linger counts quiet seconds from the last request of the run
-        self.buffer.last_request = time.monotonic()
-
-    def _check_worker(self, worker, where):
-        """A bound credential speaks for its own worker name only."""
-        if self.bound and worker != self.bound:
-            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker "
-                           f"{self.bound!r} (proxy.py --print-replica-token NAME makes one per "
-                           "replica)", 403)
-
-    def _route(self, path, query):
-        b = self.buffer
-        if path == "/rollouts":
-            groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
-            for i, g in enumerate(groups):
-                self._check_worker(g["worker"], f"groups[{i}].worker")
-            # a replica's credential: its groups count against its lease
-            return b.add(groups, limited=self.bound is not None)
-        if path == "/batch":
-            q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
-            ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
-            n = query_int(q, "groups", 1, b.max_groups)
-            groups, version, delivery = b.take(n, query_seconds(q), self.peer_gone, ack)
-            answer = {"groups": groups, "trainer_version": version}
-            # a delivery number: the client acknowledges it with its next call
-            return answer if delivery is None else {**answer, "delivery": delivery}
-        if path == "/quota":
-            spec = {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"}
-            q = parse_query(query, spec)
-            check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
-            self._check_worker(q["worker"], "worker")
-            version = query_int(q, "version", 0, MAX_INT - 1)
-            most = query_int(q, "max", 1, MAX_INT - 1)
-            return b.quota(q["worker"], version, most, query_seconds(q))
-        if path in ("/version", "/done"):
-            body = self.read_json()
-            check_fields(body, "body", {"version": INDEX} if path == "/version" else {})
-            return b.set_version(body["version"]) if path == "/version" else b.finish()
-        return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
-
-
-class ProxyServer(proxy_http.Server):
-    """proxy_http.Server with the run's buffer: closing it wakes the long polls; a log line a
-    minute."""
-
-    def __init__(self, address, handler, max_connections=256, log_every=60.0):
-        self.buffer = handler.buffer
-        self.log_every, self._last_log = log_every, time.monotonic()
-        self._logged = self.buffer.stats()
-        super().__init__(address, handler, max_connections)
-
-    def count(self, key):
-        self.buffer.count(key)
-
-    def server_close(self):
-        super().server_close()
-        # wakes the long polls; a kept-alive connection hangs up at its next request
-        self.buffer.close()
-
-    def service_actions(self):
-        """serve_forever calls this every 0.2 s: a line per log_every, none when idle."""
-        if time.monotonic() - self._last_log >= self.log_every:
-            self._last_log, s, old = time.monotonic(), self.buffer.stats(), self._logged
-            if moved := {k: s[k] - old[k] for k in self.buffer.counts if s[k] != old[k]}:
-                changes = ", ".join(f"{k} +{v}" for k, v in moved.items())
-                log.info("proxy: %s; buffer %d groups (%.1f MB), trainer v%s", changes,
-                         s["buffered"], s["buffered_mb"], s["trainer_version"])
-                self._logged = s
-
-
-def body_limit(c):
-    """The default --max-body-mb, in bytes: one POST of groups_per_step groups at full length, at
-    ~64 bytes of JSON a sampled token (a real POST weighs ~33: docs/hostile-peers.md) and 32 a
-    prompt token; 2.5 MiB at the default contract, never under 1 MiB."""
-    per_group = c["num_generations"] * c["max_new_tokens"] * 64 + c["max_prompt_length"] * 32
-    return max(2**20, c["groups_per_step"] * per_group)
-
-
-def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None,
-          token=None, rollout_token=None, request_timeout=30.0, max_connections=256,
-          lease_timeout=120.0, log_every=60.0, **contract):
-    """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1].
-    **contract: CONTRACT's keys"""
-    token, rollout_token = token or None, rollout_token or None
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
-        raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or "
-                          "--token (or listen on 127.0.0.1)")
-    if rollout_token and (rollout_token == token or not token):
-        raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token "
-                          "(PROXY_TOKEN): the trainer's token opens every endpoint, the replicas' "
-                          "only theirs")
-    body_mb = 1 if max_body_mb is None else max_body_mb
-    limits = (max_groups, max_buffer_mb, body_mb, request_timeout, max_connections)
-    if min(limits) <= 0 or set(contract) - set(CONTRACT):
-        raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, "
-                          "--max-connections must be > 0; unknown settings "
-                          f"{sorted(set(contract) - set(CONTRACT))}")
-    buffer = RolloutBuffer(contract, max_groups, int(max_buffer_mb * 2**20),
-                           lease_timeout=lease_timeout)
-    max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
-    # the state of this server bound to its handler class: no module globals
-    handler = type("BoundProxyHandler", (ProxyHandler,), dict(
-        buffer=buffer, token=token, rollout_token=rollout_token, max_body=max_body,
-        timeout=request_timeout))
-    server = ProxyServer((host, port), handler, max_connections, log_every)
-    thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="proxy", daemon=True)
-    thread.start()
-    return server, thread
-
-
-# ---- the client rollout.py and trainer.py use, and the CLI
-
-class ProxyClient:
-    """Talks to a proxy.py; rides out restarts, 5xx and 429 with backoff. A proxy that restarted has
-    forgotten the trainer's version: its 409 on GET /batch is answered by announcing it again (the
-    one place a restart is handled). One per thread (it keeps a session). `token` (default:
-    PROXY_TOKEN), sent as X-Proxy-Token: the trainer's, or a replica's where the proxy has
-    ROLLOUT_TOKEN. `gateway_token` (default: GATEWAY_TOKEN), sent as `Authorization: Bearer`: for a
-    gateway only."""
-    HINTS = {401: " (check the token: PROXY_TOKEN for the trainer, ROLLOUT_TOKEN for replicas "
-                  "when the proxy has one)",
-             403: " (a replica's token opens its own endpoints and worker name only: give the "
-                  "trainer PROXY_TOKEN)",
-             404: " (is the URL a proxy.py?)", 405: " (is the URL a proxy.py?)",
-             413: " (send fewer groups per POST or raise the proxy's --max-body-mb / "
-                  "--max-buffer-mb)"}
-
-    def __init__(self, url, token=None, max_wait=300.0, gateway_token=None):
-        import requests  # the client's only dependency; the server needs none
-
-        self._requests, self.url, self.max_wait = requests, url.rstrip("/"), max_wait
-        self.session = requests.Session()
-        # the last version this client announced: announced again to a restarted proxy
-        self.version = None
-        # the last GET /batch answer read, acknowledged by the next call (0: none yet)
-        self.delivery = 0
-        if token := token or os.environ.get("PROXY_TOKEN"):
-            self.session.headers[TOKEN_HEADER] = token
-        # a gateway in front (HF Jobs)
-        if gateway := gateway_token or os.environ.get("GATEWAY_TOKEN"):
-            self.session.headers["Authorization"] = f"Bearer {gateway}"
-
-    def contract(self, flags=None, **given):
-        """The run's settings from GET /config. `given`: the flags a role was started with (None:
-        not given); one that disagrees with the proxy is an error naming both values. `flags`: the
-        role's own name of a flag where it differs
-        ({"max_new_tokens": "--max-completion-length"})."""
-        config = self._call("GET", "/config")
-        for key, value in given.items():
-            if value is not None and value != config.get(key):
-                flag = (flags or {}).get(key, "--" + key.replace("_", "-"))
-                raise ProxyError(f"{flag} {value} disagrees with the proxy's {key} "
-                                 f"{config.get(key)} ({self.url}): the run's settings come from "
-                                 f"proxy.py; drop {flag}, or restart proxy.py with {flag} {value}")
-        return config
-
-    def post_rollouts(self, groups):
-        return self._call("POST", "/rollouts", {"groups": groups})
-
-    def quota(self, worker, version, most, timeout=30.0):
-        params = {"worker": worker, "version": version, "max": most, "timeout": timeout}
-        return self._call("GET", "/quota", params=params, wait=timeout)
-
-    def get_batch(self, n, timeout=30.0):
-        """Up to n groups; each call acknowledges the answer read before (the proxy gives back one
-        that was never read, e.g. by a trainer killed with it unread)."""
-        try:
-            answer = self._batch(n, timeout)
-        except ProxyError as e:
-            if not (e.answer.get("need_version") and self.version is not None):
-                raise
-            print(f"proxy.py client: {self.url} does not know the trainer's version (restarted?): "
-                  f"announcing v{self.version} again", file=sys.stderr, flush=True)
-            self.set_version(self.version)
-            answer = self._batch(n, timeout)
-        self.delivery = answer.get("delivery") or self.delivery
-        return answer
-
-    def _batch(self, n, timeout):
-        params = {"groups": n, "timeout": timeout, "ack": self.delivery}
-        return self._call("GET", "/batch", params=params, wait=timeout)
-
-    def set_version(self, version):
-        answer = self._call("POST", "/version", {"version": version})
-        self.version = version
-        return answer
-
-    def done(self):
-        return self._call("POST", "/done", {})
-
-    def stats(self):
-        return self._call("GET", "/stats")
-
-    def _call(self, method, path, body=None, params=None, wait=0.0):
-        rq, where = self._requests, f"{method} {self.url}{path}"
-        try:
-            data = None if body is None else json.dumps(body, allow_nan=False).encode()
-        except ValueError:
-            raise ProxyError(f"{where}: cannot send NaN or Infinity (check the rewards and "
-                             "log-probs)") from None
-        deadline, delay = time.monotonic() + self.max_wait, 0.5
-        while True:
-            try:
-                r = self.session.request(method, self.url + path, data=data, params=params,
-                                         headers={"Content-Type": "application/json"},
-                                         timeout=(10.0, wait + 60.0))
-            # the proxy is down, or died mid-answer: retried
-            except (rq.ConnectionError, rq.Timeout, rq.exceptions.ChunkedEncodingError) as e:
-                m = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))
-                why = f"cannot reach the proxy ({m.group(0) if m else type(e).__name__})"
-                pause = delay
-            except rq.RequestException as e:
-                raise ProxyError(f"{where}: {e}") from None
-            else:
-                try:
-                    answer = r.json()
-                except ValueError:
-                    # one line, even for an HTML page
-                    answer = {"error": " ".join(r.text.split())[:200]}
-                if r.status_code == 200 and isinstance(answer, dict) and "error" not in answer:
-                    return answer
-                msg = answer.get("error", answer) if isinstance(answer, dict) else answer
-                if r.status_code != 429 and r.status_code < 500:  # 200: not proxy.py's JSON
-                    hint = self.HINTS.get(404 if r.status_code == 200 else r.status_code, "")
-                    raise ProxyError(f"{where}: HTTP {r.status_code}: {msg}{hint}", answer)
-                # 429: the buffer is full; 503: too many connections
-                after = r.headers.get("Retry-After", "")
-                why = f"HTTP {r.status_code}: {msg}"
-                pause = float(after) if after.isdigit() else delay
-            if (left := deadline - time.monotonic()) <= 0:
-                raise ProxyError(f"{where}: gave up after {self.max_wait:g} s: {why}")
-            if delay == 0.5:  # the first retry of this call: one line per streak of retries
-                print(f"proxy.py client: {where}: {why}; retrying for up to {self.max_wait:g} s",
-                      file=sys.stderr, flush=True)
-            time.sleep(min(pause, left, 10.0))
-            delay = min(2 * delay, 10.0)
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="The hub of an async GRPO run: contract, rollout "
-                                "buffer, quota. Fields and status codes: docs/protocol.md.")
-    a = p.add_argument
-    a("--host", default="127.0.0.1",
-      help="address to listen on; anything but loopback needs a token")
-    a("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    # the run's contract: every role takes it from GET /config
-    for key, default in CONTRACT.items():
-        pair = key == "reward_range"  # LO HI
-        a("--" + key.replace("_", "-"), type=float if pair else type(default), default=default,
-          help=CONTRACT_HELP[key], choices=("keep", "drop") if key == "zero_variance" else None,
-          nargs=2 if pair else None, metavar=("LO", "HI") if pair else None)
-    a("--max-groups", type=int, default=4096, help="buffer size in groups (429 when full)")
-    a("--max-buffer-mb", type=float, default=1024,
-      help="buffer size in MiB, ~70 bytes a token (429 when full)")
-    a("--max-body-mb", type=float, help="largest request body in MiB, 413 above (default: "
-      "groups-per-step groups at full length, ~64 bytes a token: 2.5 at the default contract)")
-    a("--request-timeout", type=float, default=30.0,
-      help="seconds a whole request may take to arrive")
-    a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
-    a("--lease-timeout", type=float, default=120.0,
-      help="most seconds a replica's lease counts as coming: 3x its measured pace (>= 2 s) once "
-           "it delivered, this until then")
-    a("--linger", type=float, default=60.0,
-      help="after /done, exit once replicas were told or after this many idle s")
-    a("--token", default=os.environ.get("PROXY_TOKEN"),
-      help="the trainer's token, sent as X-Proxy-Token (default: $PROXY_TOKEN)")
-    a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"),
-      help="the replicas' shared secret R (default: $ROLLOUT_TOKEN); it also checks bound "
-           "credentials")
-    a("--print-replica-token", metavar="WORKER",
-      help="print the credential bound to WORKER under --rollout-token, and exit")
-    args = vars(p.parse_args(argv))
-    if worker := args.pop("print_replica_token"):
-        if not args["rollout_token"] or not NAME[0](worker):
-            sys.exit("proxy.py: error: --print-replica-token needs ROLLOUT_TOKEN (or "
-                     f"--rollout-token) and a worker name of 1 to {MAX_NAME} characters")
-        print(replica_token(args["rollout_token"], worker))
-        return
-    linger = args.pop("linger")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S")
-    try:
-        server, thread = serve(**args)
-    except ConfigError as e:
-        sys.exit(f"proxy.py: error: {e}")
-    except OSError as e:
-        sys.exit(f"proxy.py: error: cannot listen on {args['host']}:{args['port']}: {e}")
-    buf = server.buffer
-    tokens = "required, and the replicas' own" if args["rollout_token"] \
-        else "required" if args["token"] else "off"
-    log.info("proxy: listening on http://%s:%d (token %s), contract %s", args["host"],
-             server.server_address[1], tokens, json.dumps(buf.contract))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
-    try:
-        while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
-            thread.join(0.5)
-            with buf.cond:
-                told = set(buf.leases) <= buf.told_done
-                quiet = time.monotonic() - buf.last_request > linger
-            if buf.done and (told or quiet):
-                why = "every replica was told" if told else f"no request for {linger:g} s"
-                log.info("proxy: the trainer is done and %s: exiting", why)
-                break
-    except KeyboardInterrupt:
-        pass
-    server.shutdown()
-    server.server_close()
-    log.info("proxy: stopped: %s", {k: v for k, v in buf.stats().items() if type(v) is int})
+def __getattr__(name):
+    """proxy.X for a name of the support half (proxy.serve, proxy.ProxyClient, ...), from the
+    SUPPORT modules, imported on first use (they import this module)."""
+    for module in map(importlib.import_module, SUPPORT):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module 'proxy' has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    main()
+    importlib.import_module("proxy_server").main()  # the CLI, with the module state in `proxy`

@@ -65,7 +65,7 @@ import torch
 
 import grpo_loss
 import sync
-from proxy import ProxyClient, ProxyError
+from proxy import CONTRACT_FLAGS, ProxyClient, ProxyError  # CONTRACT_FLAGS: read in train()
 # the model, resume, CLI, hardening and the step's record: trainer_support.py (not needed to
 # follow a step)
 from trainer_support import (StepStats, TrainerError, Waiting, by_group, collate, log_step,
@@ -74,9 +74,6 @@ from trainer_support import (StepStats, TrainerError, Waiting, by_group, collate
 from trainer_support import (ABSURD_RATIO, DELTA, build_model, group_problem,  # noqa: F401
                              restore_state, starting_version)  # what tests and benches import
 
-# the settings taken from the proxy (GET /config); a flag given here only double-checks them
-CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature",
-                  "max_completion_length")
 
 
 # ---- ALGO: 1. take a batch  2. advantages  3. log-probs  4. loss  5. publish
@@ -248,12 +245,10 @@ def train(args):
     # rides out outages once it worked
     bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)
     client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN
-    proxy_name = {"max_completion_length": "max_new_tokens"}  # TRL's name -> the proxy's
     # a wrong URL or token ends here
-    contract = client.contract(flags={"max_new_tokens": "--max-completion-length"},
-                               **{proxy_name.get(k, k): getattr(args, k) for k in CONTRACT_FLAGS})
+    contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
     # the run's settings: the proxy's
-    vars(args).update({k: contract[proxy_name.get(k, k)] for k in CONTRACT_FLAGS})
+    vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
     # the model with a fresh LoRA, or as the resume state in the bucket left it
     run = start_run(args, bucket, contract)
     model, optimizer, step, version = run.model, run.optimizer, run.step, run.version

@@ -364,7 +364,7 @@ def parse_args(argv=None, description=None):
     a("--temperature", type=float,
       help="the replicas' sampling temperature; divides logits (default: the proxy's)")
     a("--max-completion-length", type=int,
-      help="max_new_tokens; dr_grpo's normaliser (default: the proxy's)")
+      help="the longest completion; dr_grpo's normaliser (default: the proxy's)")
     # the loss, as TRL names it
     a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=None,

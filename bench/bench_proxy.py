@@ -67,7 +67,7 @@ def group_template(n=8, tokens=256, seed=0):  # proxy.py's default contract
     """A POST body of one group, with b"__GID__" where the group_id goes."""
     rnd = random.Random(seed)
     group = {"group_id": "__GID__", "policy_version": 0, "worker": "bench", "prompt": "x" * 200,
-             "temperature": 1.0, "max_new_tokens": tokens,
+             "temperature": 1.0, "max_completion_length": tokens,
              "prompt_ids": [rnd.randrange(32000) for _ in range(64)],
              "completions": [{"ids": [rnd.randrange(32000) for _ in range(tokens)],
                               "logprobs": [-rnd.expovariate(2.0) for _ in range(tokens)],  # full float repr
@@ -136,7 +136,7 @@ def post_size():
     import proxy
 
     c, limit = proxy.CONTRACT, proxy.body_limit(proxy.CONTRACT)
-    B, G, T = c["groups_per_step"], c["num_generations"], c["max_new_tokens"]
+    B, G, T = c["groups_per_step"], c["num_generations"], c["max_completion_length"]
     one = group_template(G, T)
     groups = json.loads(one)["groups"] * B
     body = json.dumps({"groups": groups}).encode()  # as ProxyClient sends it

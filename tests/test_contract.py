@@ -18,8 +18,9 @@ from conftest import ROOT, free_port, wait_port
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PROXY_TOKEN": "t"}
 SETTINGS = {"num_generations": 4, "groups_per_step": 2, "max_staleness": 1, "temperature": 0.7,
-            "max_new_tokens": 5, "zero_variance": "keep"}
-SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [0.0, 1.0]}  # /config: defaults for the rest
+            "max_completion_length": 5, "zero_variance": "keep"}
+# /config: defaults for the rest, and the length under its old name too
+SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [0.0, 1.0], "max_new_tokens": 5}
 
 
 def flags(settings):
@@ -56,7 +57,12 @@ def test_roles_take_the_proxys_settings_refuse_others_and_the_run_ends_by_itself
         assert "--max-staleness 3 disagrees with the proxy's max_staleness 1" in line, line
         r = subprocess.run(trainer + ["--max-completion-length", "7"], cwd=ROOT, env=ENV, capture_output=True,
                            text=True, timeout=120)
-        assert "--max-completion-length 7 disagrees with the proxy's max_new_tokens 5" in error_line(r, "trainer.py")
+        assert "--max-completion-length 7 disagrees with the proxy's max_completion_length 5" in error_line(
+            r, "trainer.py")
+        r = subprocess.run(rollout + ["--max-new-tokens", "7"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=120)  # the old name of the same flag
+        assert "--max-completion-length 7 disagrees with the proxy's max_completion_length 5" in error_line(
+            r, "rollout.py")
         assert sync.latest_version(bucket) is None, "nothing may be published by a refused trainer"
 
         # started with none of the settings, both take the proxy's; the same values given explicitly are fine

@@ -160,7 +160,7 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
     assert proxy[-4] == "python:3.12-slim" and "pip install" not in proxy[-1]
     assert "--host 0.0.0.0 --port 8000" in proxy[-1] and "HF_TOKEN" not in proxy[-1]
     for flag in ["--num-generations 8", "--groups-per-step 16", "--max-staleness 4", "--temperature 1.0",
-                 "--max-new-tokens 256", "--zero-variance keep"]:
+                 "--max-completion-length 256", "--zero-variance keep"]:
         assert flag in proxy[-1], (flag, proxy[-1])
 
     # the exposed URL `hf jobs inspect` showed is the one the others are given
@@ -302,7 +302,7 @@ def test_hf_jobs_dry_run_prints_the_gpu_experiment_and_runs_nothing(tmp_path, hf
     assert res.returncode == 0, res.stderr
     assert calls == []  # nothing reached the CLI
     for line in ["MODEL            Qwen/Qwen2.5-0.5B-Instruct", "TASK             gsm8k",
-                 "MAX_NEW_TOKENS   256", "GROUPS_PER_STEP  16", "MAX_STALENESS    4", "NUM_GENERATIONS  8"]:
+                 "MAX_COMPLETION_LENGTH 256", "GROUPS_PER_STEP  16", "MAX_STALENESS    4", "NUM_GENERATIONS  8"]:
         assert line in res.stdout, res.stdout
     printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
     assert len(printed) == 3 and "--expose 8000" in printed[0]  # proxy, 1 replica, trainer

@@ -149,8 +149,8 @@ def test_config_serves_the_contract_and_the_client_checks_given_flags(proxy):
     url, _ = proxy(token=TOKEN, groups_per_step=4, max_staleness=0, temperature=0.7, max_new_tokens=64,
                    zero_variance="drop")
     contract = {"num_generations": 2, "groups_per_step": 4, "max_staleness": 0, "temperature": 0.7,
-                "max_new_tokens": 64, "zero_variance": "drop", "max_prompt_length": 1024,
-                "reward_range": [0.0, 1.0]}
+                "max_completion_length": 64, "zero_variance": "drop", "max_prompt_length": 1024,
+                "reward_range": [0.0, 1.0], "max_new_tokens": 64}  # the length's old name, too
     assert requests.get(url + "/config", headers=auth()).json() == contract
     client = ProxyClient(url, token=TOKEN)
     assert client.contract(temperature=None, max_staleness=0) == contract  # None: a flag not given
@@ -1236,8 +1236,34 @@ def test_make_group_builds_the_one_group_record_the_proxy_checks():
     c = make_completion(ids=(5, 2), logprobs=(-0.5, -0.1), reward=1.0, text="7",
                         finish_reason="stop")
     g = make_group(group_id="g1", policy_version=0, worker="replica-0", prompt="Say a digit.",
-                   prompt_ids=(1, 2, 3), temperature=1.0, max_new_tokens=4,
+                   prompt_ids=(1, 2, 3), temperature=1.0, max_completion_length=4,
                    completions=[c, dict(c, reward=0.0)])
     assert list(g) == list(GROUP) and list(c) == list(COMPLETION)
     assert g["prompt_ids"] == [1, 2, 3] and c["ids"] == [5, 2]  # JSON lists, not tuples
-    validate_group(g, dict(CONTRACT, num_generations=2, max_new_tokens=4))
+    validate_group(g, dict(CONTRACT, num_generations=2, max_completion_length=4))
+
+
+def test_the_completion_length_goes_by_max_completion_length_and_its_old_name(proxy):
+    """One setting, TRL's name: GET /config serves max_completion_length and, equal, the old
+    max_new_tokens; a group may carry either name or both (equal), and is handed out as posted."""
+    url, _ = proxy(max_completion_length=64)
+    config = requests.get(url + "/config").json()
+    assert config["max_completion_length"] == config["max_new_tokens"] == 64
+    assert requests.get(proxy(max_new_tokens=9)[0] + "/config").json()["max_completion_length"] == 9
+    with pytest.raises(ConfigError, match="--max-completion-length 8 and its old name --max-new-tokens 9"):
+        serve(max_completion_length=8, max_new_tokens=9)
+    new = {k: v for k, v in make_group("new").items() if k != "max_new_tokens"}
+    both = make_group("both", max_new_tokens=64, max_completion_length=64)
+    assert post(url, dict(new, max_completion_length=64), make_group("old", max_new_tokens=64),
+                both).json()["accepted"] == 3
+    requests.post(url + "/version", json={"version": 0})
+    got = requests.get(url + "/batch?groups=3").json()["groups"]
+    assert got[1] == make_group("old", max_new_tokens=64) and got[2] == both  # as posted
+    for group, expected in [(dict(new, max_completion_length=65), "groups[0].max_completion_length: 65, but "
+                             "this run samples with max_completion_length 64 (proxy.py --max-completion-length)"),
+                            (make_group("x", max_new_tokens=64, max_completion_length=63),
+                             "groups[0].max_new_tokens: 64, but max_completion_length is 63"),
+                            (dict(new, max_completion_length="64"), "groups[0].max_completion_length: must be"),
+                            (new, "groups[0].max_completion_length: missing")]:
+        r = post(url, group)
+        assert r.status_code == 400 and expected in r.json()["error"], r.text
