@@ -1,6 +1,6 @@
 """Benchmark: TRL's GRPOTrainer against `bash jobs.sh --local`, raced over seeds, alternately.
 
-    .venv/bin/python bench/bench_vs_trl.py                    # the race: 3 seeds a side, ~1.5 h
+    .venv/bin/python bench/bench_vs_trl.py                    # the race: 3 seeds a side, ~1.5 h (est.)
     .venv/bin/python bench/bench_vs_trl.py --seeds 0 1 2 3 4  # 5 seeds a side
     .venv/bin/python bench/bench_vs_trl.py --skip-trl --skip-ours  # score what is missing, print
     .venv/bin/python bench/bench_vs_trl.py --seeds 0 1 --steps 2 --eval-every 1 --eval-limit 20 \
