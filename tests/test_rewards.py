@@ -91,8 +91,8 @@ def test_gsm8k_items_from_a_local_file_and_folder(tmp_path):
 
 def test_arith_test_split_is_held_out():
     train, test = tasks.load_task("arith", "train"), tasks.load_task("arith", "test")
-    assert len(train) + len(test) == 21 * 21
-    assert 70 <= len(test) <= 110  # one pair in five
+    assert len(train) + len(test) == (tasks.ARITH_MAX + 1) ** 2 == 51 * 51
+    assert len(test) == 411  # one pair in six: a standard error of at most 2.5 points
     train_q, test_q = {i["question"] for i in train}, {i["question"] for i in test}
     assert not train_q & test_q
     for item in test:

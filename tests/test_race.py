@@ -1,0 +1,128 @@
+"""The race's arithmetic (bench/race_stats.py, used by bench/bench_vs_trl.py): time to a target from
+checkpoint lists, the bootstrap interval over seeds, McNemar's paired test, and the CPU accounting
+of the contention sampler. tests/data/race_small.json holds the runs of a real two-seed race of
+bench_vs_trl.py at a tiny scale (2 steps a side, 20 held-out problems), as it wrote them.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_race.py
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import race_stats as rs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def checkpoints(*points):
+    return [{"step": s, "t": t, "accuracy": acc} for s, t, acc in points]
+
+
+def test_time_to_target_is_the_first_checkpoint_at_or_above_it():
+    cps = checkpoints((2, 20.0, 0.50), (4, 40.0, 0.81), (6, 60.0, 0.78), (8, 80.0, 0.90))
+    assert rs.time_to_target(cps, 0.8) == (40.0, 4)
+    assert rs.time_to_target(cps, 0.81) == (40.0, 4)  # at, not only above
+    assert rs.time_to_target(cps, 0.85) == (80.0, 8)
+    assert rs.time_to_target(cps, 0.95) is None
+
+
+def test_accuracy_at_a_time_is_the_last_checkpoint_before_it():
+    cps = checkpoints((2, 20.0, 0.50), (4, 40.0, 0.81))
+    assert rs.accuracy_at(cps, 10.0, base_accuracy=0.13) == 0.13  # before the first: the base model
+    assert rs.accuracy_at(cps, 20.0, 0.13) == 0.50
+    assert rs.accuracy_at(cps, 39.9, 0.13) == 0.50
+    assert rs.accuracy_at(cps, 1e6, 0.13) == 0.81
+
+
+def test_time_ratio_bounds_a_side_that_never_reached_the_target():
+    assert rs.time_ratio(50.0, 250.0, 900.0) == (0.2, "")
+    assert rs.time_ratio(50.0, None, 1000.0) == (0.05, "<")  # TRL would need more than its whole run
+    assert rs.time_ratio(None, 250.0, 900.0) == (math.inf, ">")
+    assert rs.median([0.2, math.inf, 0.3]) == 0.3  # a side that never got there is the largest ratio
+
+
+def test_mcnemar_exact_p_values_by_hand():
+    assert rs.mcnemar_counts(0, 5)["p"] == pytest.approx(2 / 32)  # 2 x 0.5^5
+    assert rs.mcnemar_counts(2, 8)["p"] == pytest.approx(2 * (1 + 10 + 45) / 1024)
+    assert rs.mcnemar_counts(4, 4)["p"] == 1.0
+    assert rs.mcnemar_counts(0, 0)["p"] == 1.0  # no discordant problem: no evidence either way
+    assert rs.mcnemar("1100", "1011") == {"only_a": 1, "only_b": 2, "p": 1.0}
+    with pytest.raises(ValueError, match="same held-out problems"):
+        rs.mcnemar("110", "1011")
+
+
+def test_bootstrap_interval_of_the_median():
+    assert rs.bootstrap_median([0.25, 0.25, 0.25]) == (0.25, 0.25, 0.25)
+    # 3 values: all three draws equal the smallest with probability 1/27 > 2.5%, so the 95%
+    # interval reaches the smallest and the largest value
+    assert rs.bootstrap_median([0.1, 0.2, 0.3]) == (0.2, 0.1, 0.3)
+    med, lo, hi = rs.bootstrap_median([0.1, 0.12, 0.15, 0.2, 0.4])
+    assert med == 0.15 and 0.1 <= lo < med < hi <= 0.4
+    assert rs.bootstrap_median([0.1, 0.2, math.inf]) == (0.2, 0.1, math.inf)
+
+
+def test_compare_and_over_seeds_on_a_real_race():
+    with open(os.path.join(HERE, "data", "race_small.json")) as f:
+        race = json.load(f)
+    rows = []
+    for seed, runs in race["runs"].items():
+        trl, ours = runs["trl"], runs["ours"]
+        n = len(trl["checkpoints"][-1]["correct"])
+        assert n == race["held_out_problems"] and all(len(c["correct"]) == n for r in (trl, ours)
+                                                      for c in r["checkpoints"])
+        for r in (trl, ours):  # each accuracy is its problems' mean
+            assert all(c["accuracy"] == pytest.approx(c["correct"].count("1") / n) for c in r["checkpoints"])
+        target = max(c["accuracy"] for c in ours["checkpoints"])  # reached by ours, at its best checkpoint
+        row = rs.compare(trl, ours, target)
+        best = next(c for c in ours["checkpoints"] if c["accuracy"] >= target)
+        assert (row["ours_time_to_target"], row["ours_step_to_target"]) == (best["t"], best["step"])
+        assert row["ours_final"] == ours["checkpoints"][-1]["accuracy"]
+        pairs = list(zip(trl["checkpoints"][-1]["correct"], ours["checkpoints"][-1]["correct"]))
+        assert row["paired_final"]["only_a"] == pairs.count(("1", "0"))
+        assert row["paired_final"]["only_b"] == pairs.count(("0", "1"))
+        if row["trl_time_to_target"] is None:
+            assert row["ratio_qualifier"] == "<" and row["ratio"] == best["t"] / trl["train_s"]
+        else:
+            assert row["ratio"] == best["t"] / row["trl_time_to_target"]
+        rows.append(row)
+    verdict = rs.over_seeds(rows)
+    assert verdict["seeds"] == len(rows) == 2
+    assert verdict["median_ours_final"] == pytest.approx(sum(r["ours_final"] for r in rows) / 2)
+    lo, hi = verdict["ratio_interval"]
+    assert min(r["ratio"] for r in rows) == lo <= verdict["median_ratio"] <= hi == max(r["ratio"] for r in rows)
+    pooled = verdict["pooled_paired_final"]
+    assert pooled["only_a"] == sum(r["paired_final"]["only_a"] for r in rows)
+
+
+def test_tree_cpu_ticks_counts_live_and_reaped_children():
+    """The contention sampler subtracts this process tree's CPU from the machine's: a child's CPU
+    time must count while it runs and after it exited (its parent's cutime)."""
+    hz, me = os.sysconf("SC_CLK_TCK"), os.getpid()
+    burn = "import time\nwhile time.process_time() < 0.6: pass\nimport sys; sys.stdout.write('x'); sys.stdout.flush()" \
+           "\nsys.stdin.read()"
+    before = rs.tree_cpu_ticks(me)
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout.read(1) == b"x"  # it has used 0.6 s of CPU and still runs
+    alive = rs.tree_cpu_ticks(me)
+    child.stdin.close()
+    child.wait()
+    reaped = rs.tree_cpu_ticks(me)
+    assert alive - before >= 0.5 * hz
+    assert reaped - before >= 0.5 * hz
+
+
+def test_contention_sampler_summary_window():
+    sampler = rs.ContentionSampler(interval=0.2)
+    sampler.start()
+    t0 = time.time()
+    time.sleep(1.1)
+    sampler.stop()
+    whole = sampler.summary()
+    assert whole["samples"] >= 3 and 0 <= whole["mean"] <= whole["max"] <= (os.cpu_count() or 1) + 0.5
+    assert sampler.summary(t0 + 100, t0 + 200) == {"mean": None, "max": None, "samples": 0}
