@@ -107,10 +107,10 @@ def draw_tokens(logits, temperature):
     import torch
     import torch.nn.functional as F
 
-    z = logits.float() / temperature  # (rows, V)
+    z = logits.float() / temperature  # (rows, V) a new tensor: logits stay as they are
     rows, V = z.shape
     top = z.max(-1, keepdim=True).values  # (rows, 1)
-    e = (z - top).exp_()  # (rows, V) unnormalised probabilities, the largest 1
+    e = z.sub_(top).exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
     blocks = F.pad(e, (0, -V % SAMPLER_BLOCK)).view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
     mass = blocks.sum(-1).double()  # (rows, nb)
     cdf = mass.cumsum(-1)  # (rows, nb)
@@ -122,8 +122,8 @@ def draw_tokens(logits, temperature):
     at = torch.searchsorted(inner, u[:, 1:] * inner[:, -1:], right=True)  # (rows, 1)
     picked = (block * SAMPLER_BLOCK + at.clamp(max=SAMPLER_BLOCK - 1)).squeeze(1)  # (rows,)
     # log softmax(z)[picked] = z[picked] - top - log(sum of e)
-    logps = z.gather(1, picked[:, None]).squeeze(1) - top.squeeze(1) \
-        - mass.sum(-1).log().float()  # (rows,)
+    z_picked = logits.gather(1, picked[:, None]).squeeze(1).float() / temperature  # (rows,)
+    logps = z_picked - top.squeeze(1) - mass.sum(-1).log().float()  # (rows,)
     return picked, logps
 
 
@@ -212,27 +212,28 @@ class HFEngine:
         return results
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
-        """What _generate_plain computes, by hand: the prompts' cache (but the last token) from
-        _prefill copied once into a preallocated one, then one token per step through
-        FastDecoder.step, drawn by draw_tokens, until every row has an EOS or max_new_tokens.
-        Returns the new ids and their log-probs, both (P*n, T)."""
+        """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
+        from _prefill (each prompt once, not n times), the cache copied into a preallocated one,
+        then one token per step through FastDecoder.step, drawn by draw_tokens, until every row
+        has an EOS or max_new_tokens. Returns the new ids and their log-probs, both (P*n, T)."""
         torch = self.torch
         P, W = ids.shape
         rows = P * n
         decoder = FastDecoder(self.model, rows, W + max_new_tokens)
-        cache = self._prefill(ids, mask, L, 1)  # (P, h, W-1, d) per layer
-        decoder.fill(cache, n)  # (rows, h, W-1, d) per layer, each prompt's n rows
+        cache, logits = self._prefill(ids, mask, L, 1, last=True)  # (P, h, W, d), (P, V)
+        decoder.fill(cache, n)  # (rows, h, W, d) per layer, each prompt's n rows
+        logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
         mask = torch.cat([mask.repeat_interleave(n, 0),  # (rows, W + T) the columns attended
                           mask.new_ones(rows, max_new_tokens)], dim=1)
         start = mask[:, :W].sum(-1, keepdim=True) - 1  # (rows, 1) the last prompt token's position
         positions = start + torch.arange(max_new_tokens, device=ids.device)  # (rows, T)
         decoder.set_positions(positions, mask)
         eos = torch.tensor(self.eos_ids, device=ids.device)  # (E,)
-        token = ids[:, -1].repeat_interleave(n)  # (rows,) the last prompt token, fed first
         new, logps = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # (rows,)
         for t in range(max_new_tokens):
-            logits = decoder.step(token, W - 1 + t, t)  # (rows, V) the next position's
+            if t:  # the last token in, at column W-1+t: the next position's logits (rows, V)
+                logits = decoder.step(token, W - 1 + t, t)
             token, logp = draw_tokens(logits, temperature)  # (rows,), (rows,)
             # rows already finished get pad, as generate does (cut off later anyway)
             token = torch.where(done, self.pad_id, token)  # (rows,)
@@ -293,21 +294,26 @@ class HFEngine:
         mask = self.torch.tensor(mask, device=self.device)  # (P, W)
         return ids, mask, L
 
-    def _prefill(self, ids, mask, L, n):
+    def _prefill(self, ids, mask, L, n, last=False):
         """The KV cache of every prompt token but the last, each computed once (the common prefix
         for all prompts, then each one's rest) and repeated n times: num_return_sequences would
         copy each prompt n times. Given a cache one token short of input_ids, generate runs only
-        that last token and the new ones."""
+        that last token and the new ones. last=True (n=1): the last token too, and returns
+        (cache, its logits (P, V))."""
         cache, W = None, ids.shape[1]
+        end = W if last else W - 1
         if L:
             cache = self.model(input_ids=ids[:1, :L], use_cache=True,
                                logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
             cache.batch_repeat_interleave(ids.shape[0])  # (P, h, L, d) per layer
-        if W - 1 > L:
+        if end > L:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (P, W) left padding skipped
-            cache = self.model(input_ids=ids[:, L:-1], attention_mask=mask[:, :-1],
-                               position_ids=positions[:, L:-1], past_key_values=cache,
-                               use_cache=True, logits_to_keep=1).past_key_values  # (P, h, W-1, d)
+            out = self.model(input_ids=ids[:, L:end], attention_mask=mask[:, :end],
+                             position_ids=positions[:, L:end], past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values  # (P, h, end, d) per layer
+            if last:
+                return cache, out.logits[:, -1]  # (P, V)
         if cache is not None and n > 1:
             # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences makes them
             cache.batch_repeat_interleave(n)
@@ -357,9 +363,11 @@ def lora_linear(module):
 
 
 class FastDecoder:
-    """One decode step of a llama-like decoder for `rows` sequences at once: the model's own
-    weights, used in place; a KV cache preallocated for `width` columns; each LoRA as one x @ A
-    matmul per input (q, k and v share theirs, as do gate and up) and one addmm per output."""
+    """One decode step of a llama-like decoder for `rows` sequences at once, as the model's forward
+    computes it (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few torch calls:
+    the model's own weights used in place; a KV cache preallocated for `width` columns; each LoRA
+    as one x @ A per input (q, k and v share theirs, as do gate and up) and one addmm per output;
+    the residual added inside the matmul that ends each half (addmm)."""
 
     def __init__(self, model, rows, width):
         import torch
@@ -377,11 +385,14 @@ class FastDecoder:
         self.values = [weight.new_empty(shape) for _ in base.model.layers]
         self.layers = [self._plan(layer) for layer in base.model.layers]
         self.lm_head = lora_linear(base.lm_head)
+        self.head = {"lm_head": ([self.lm_head], self.lm_head[2])}  # a group of one, for project
+        self.norm = norm_args(base.model.norm)
 
     @staticmethod
     def _plan(layer):
         """Per layer: the linear maps, with A stacked for maps that share an input (a small copy,
-        made per call to generate, so that a reloaded adapter is always the one used)."""
+        made per call to generate, so that a reloaded adapter is always the one used), and the
+        RMSNorms' weights."""
         import torch
 
         attn, mlp = layer.self_attn, layer.mlp
@@ -392,6 +403,11 @@ class FastDecoder:
             parts = [lora_linear(m) for m in modules]
             A = None if parts[0][2] is None else torch.cat([p[2] for p in parts])  # (k*r, in)
             plan[key] = (parts, A)
+        plan["norms"] = (norm_args(layer.input_layernorm), norm_args(layer.post_attention_layernorm))
+        # qwen3: an RMSNorm per head on q and k, before the rotation
+        plan["qk_norms"] = (norm_args(attn.q_norm), norm_args(attn.k_norm)) \
+            if hasattr(attn, "q_norm") else None
+        plan["act"], plan["scaling"] = mlp.act_fn, attn.scaling
         return plan
 
     def fill(self, cache, n):
@@ -405,71 +421,72 @@ class FastDecoder:
 
     def set_positions(self, positions, mask):
         """The rotary cos/sin of every step's position (rows, T) and the additive attention mask
-        of the columns (rows, S): 0 where attended, -inf at left padding."""
+        of the columns (rows, S): 0 where attended, -inf at left padding. rotate_half(x) * sin
+        (transformers' rotation) is x.roll(d/2) * sin with sin's first half negated."""
         torch = self.torch
         weight = self.lm_head[0]
-        self.cos, self.sin = self.base.model.rotary_emb(weight, positions)  # (rows, T, d) each
+        cos, sin = self.base.model.rotary_emb(weight, positions)  # (rows, T, d) each
+        half = self.head_dim // 2
+        self.cos, self.sin = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         self.bias = torch.zeros(mask.shape, dtype=weight.dtype, device=weight.device)  # (rows, S)
         self.bias.masked_fill_(mask == 0, -float("inf"))
 
-    def linear(self, x, key, plan):
-        """Each linear map of a group on x, LoRA included: base + scaling * (x @ A.T) @ B.T."""
+    def project(self, x, key, plan, residual=None):
+        """Each linear map of a group on x (rows, in), LoRA included: residual + x @ W.T + bias
+        + scaling * (x @ A.T) @ B.T, as peft's LoRA Linear computes it."""
         import torch.nn.functional as F
 
+        torch = self.torch
         parts, A = plan[key]
         xa = None if A is None else F.linear(x, A)  # (rows, k*r)
         outs = []
         for j, (weight, bias, a, B, scaling) in enumerate(parts):
-            y = F.linear(x, weight, bias)  # (rows, out)
+            if residual is None:
+                y = F.linear(x, weight, bias)  # (rows, out)
+            else:
+                y = torch.addmm(residual, x, weight.t())  # (rows, out)
+                y = y if bias is None else y + bias
             if a is not None:
                 r = a.shape[0]
-                y = self.torch.addmm(y, xa[:, j * r: (j + 1) * r], B.t(), alpha=scaling)
+                y.addmm_(xa[:, j * r: (j + 1) * r], B.t(), alpha=scaling)  # (rows, out)
             outs.append(y)
         return outs
 
     def step(self, token, column, t):
         """Feed one token per row at cache column `column` (decode step t); the next position's
         logits (rows, V)."""
+        import torch.nn.functional as F
+
         torch = self.torch
-        rows, hd = token.shape[0], self.head_dim
-        g = self.heads // self.kv_heads
+        rows, d, H, K = token.shape[0], self.head_dim, self.heads, self.kv_heads
         cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (rows, 1, d)
         bias = self.bias[:, None, None, : column + 1]  # (rows, 1, 1, c) the columns attended
         h = self.base.model.embed_tokens(token)  # (rows, D)
-        for i, (layer, plan) in enumerate(zip(self.base.model.layers, self.layers)):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)  # (rows, D)
-            q, k, v = self.linear(x, "qkv", plan)
-            q = q.view(rows, self.heads, hd)  # (rows, H, d)
-            k = k.view(rows, self.kv_heads, hd)  # (rows, K, d)
-            if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + rotate_half(q) * sin  # (rows, H, d)
-            k = k * cos + rotate_half(k) * sin  # (rows, K, d)
-            self.keys[i][:, :, column] = k
-            self.values[i][:, :, column] = v.view(rows, self.kv_heads, hd)
-            keys = self.keys[i][:, :, : column + 1]  # (rows, K, c, d)
-            values = self.values[i][:, :, : column + 1]  # (rows, K, c, d)
-            # query head j*g + m reads key/value head j (transformers' repeat_kv)
-            q = q.view(rows, self.kv_heads, g, hd)  # (rows, K, g, d)
-            scores = q @ keys.transpose(-1, -2) * attn.scaling + bias  # (rows, K, g, c)
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (rows, K, g, c)
-            out = (probs @ values).view(rows, self.heads * hd)  # (rows, H*d)
-            h = h + self.linear(out, "o", plan)[0]  # (rows, D)
-            x = layer.post_attention_layernorm(h)  # (rows, D)
-            gate, up = self.linear(x, "gate_up", plan)  # (rows, F) each
-            h = h + self.linear(layer.mlp.act_fn(gate) * up, "down", plan)[0]  # (rows, D)
-        h = self.base.model.norm(h)  # (rows, D)
-        weight, bias, A, B, scaling = self.lm_head
-        logits = self.torch.nn.functional.linear(h, weight, bias)  # (rows, V)
-        if A is not None:
-            logits = torch.addmm(logits, h @ A.t(), B.t(), alpha=scaling)
-        return logits
+        for i, plan in enumerate(self.layers):
+            (w1, eps1), (w2, eps2) = plan["norms"]
+            x = F.rms_norm(h, w1.shape, w1, eps1)  # (rows, D)
+            q, k, v = self.project(x, "qkv", plan)
+            q, k = q.view(rows, H, d), k.view(rows, K, d)  # (rows, H, d), (rows, K, d)
+            if plan["qk_norms"]:
+                (wq, eq), (wk, ek) = plan["qk_norms"]
+                q, k = F.rms_norm(q, wq.shape, wq, eq), F.rms_norm(k, wk.shape, wk, ek)
+            q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)  # (rows, H, d) rotated
+            self.keys[i][:, :, column] = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)
+            self.values[i][:, :, column] = v.view(rows, K, d)
+            # the g = H/K query heads of key/value head j (transformers' repeat_kv) as its queries
+            out = F.scaled_dot_product_attention(
+                q.view(rows, K, H // K, d), self.keys[i][:, :, : column + 1],
+                self.values[i][:, :, : column + 1], attn_mask=bias,
+                scale=plan["scaling"])  # (rows, K, g, d)
+            h = self.project(out.reshape(rows, H * d), "o", plan, residual=h)[0]  # (rows, D)
+            x = F.rms_norm(h, w2.shape, w2, eps2)  # (rows, D)
+            gate, up = self.project(x, "gate_up", plan)  # (rows, F) each
+            h = self.project(plan["act"](gate) * up, "down", plan, residual=h)[0]  # (rows, D)
+        w, eps = self.norm
+        h = F.rms_norm(h, w.shape, w, eps)  # (rows, D)
+        return self.project(h, "lm_head", self.head)[0]  # (rows, V)
 
 
-def rotate_half(x):
-    """The rotary embedding's partner of x, as transformers' llama computes it."""
-    import torch
-
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def norm_args(norm):
+    """(weight, eps) of the model's RMSNorm: torch.nn.functional.rms_norm computes the same."""
+    return norm.weight, norm.variance_epsilon
