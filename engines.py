@@ -109,7 +109,7 @@ def draw_tokens(logits, temperature):
 
     z = logits.float() / temperature  # (rows, V) a new tensor: logits stay as they are
     rows, V = z.shape
-    top = z.max(-1, keepdim=True).values  # (rows, 1)
+    top = z.amax(-1, keepdim=True)  # (rows, 1)
     e = z.sub_(top).exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
     blocks = F.pad(e, (0, -V % SAMPLER_BLOCK)).view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
     mass = blocks.sum(-1).double()  # (rows, nb)
@@ -213,27 +213,23 @@ class HFEngine:
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
         """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
-        from _prefill (each prompt once, not n times), the cache copied into a preallocated one,
-        then one token per step through FastDecoder.step, drawn by draw_tokens, until every row
+        from _prefill (each prompt once, not n times), then one token per step through
+        FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens, until every row
         has an EOS or max_new_tokens. Returns the new ids and their log-probs, both (P*n, T)."""
         torch = self.torch
         P, W = ids.shape
         rows = P * n
-        decoder = FastDecoder(self.model, rows, W + max_new_tokens)
         cache, logits = self._prefill(ids, mask, L, 1, last=True)  # (P, h, W, d), (P, V)
-        decoder.fill(cache, n)  # (rows, h, W, d) per layer, each prompt's n rows
         logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
-        mask = torch.cat([mask.repeat_interleave(n, 0),  # (rows, W + T) the columns attended
-                          mask.new_ones(rows, max_new_tokens)], dim=1)
-        start = mask[:, :W].sum(-1, keepdim=True) - 1  # (rows, 1) the last prompt token's position
-        positions = start + torch.arange(max_new_tokens, device=ids.device)  # (rows, T)
-        decoder.set_positions(positions, mask)
+        start = mask.sum(-1, keepdim=True) - 1  # (P, 1) the last prompt token's position
+        positions = start + torch.arange(max_new_tokens, device=ids.device)  # (P, T)
+        decoder = FastDecoder(self.model, cache, mask, positions.repeat_interleave(n, 0), n)
         eos = torch.tensor(self.eos_ids, device=ids.device)  # (E,)
         new, logps = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # (rows,)
         for t in range(max_new_tokens):
-            if t:  # the last token in, at column W-1+t: the next position's logits (rows, V)
-                logits = decoder.step(token, W - 1 + t, t)
+            if t:  # the last token in: the next position's logits (rows, V)
+                logits = decoder.step(token, t)
             token, logp = draw_tokens(logits, temperature)  # (rows,), (rows,)
             # rows already finished get pad, as generate does (cut off later anyway)
             token = torch.where(done, self.pad_id, token)  # (rows,)
@@ -363,30 +359,44 @@ def lora_linear(module):
 
 
 class FastDecoder:
-    """One decode step of a llama-like decoder for `rows` sequences at once, as the model's forward
-    computes it (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few torch calls:
-    the model's own weights used in place; a KV cache preallocated for `width` columns; each LoRA
-    as one x @ A per input (q, k and v share theirs, as do gate and up) and one addmm per output;
-    the residual added inside the matmul that ends each half (addmm)."""
+    """One decode step of a llama-like decoder for P prompts x n rows at once, as the model's
+    forward computes it (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few
+    torch calls: the model's own weights used in place; each prompt's KV cache (from the prefill)
+    read once for its n rows, the new tokens' cache preallocated; each LoRA as one x @ A per input
+    (q, k and v share theirs, as do gate and up) and one addmm per output; the residual added
+    inside the matmul that ends each half (addmm)."""
 
-    def __init__(self, model, rows, width):
+    def __init__(self, model, cache, mask, positions, n):
+        """cache: the prompts' DynamicCache (P, h, W, d) per layer; mask (P, W) their columns (0 at
+        left padding); positions (P*n, T) the position of each step's token, rows prompt-major."""
         import torch
         from peft import PeftModel
 
         base = model.get_base_model() if isinstance(model, PeftModel) else model
-        self.torch, self.base = torch, base
+        self.torch, self.base, self.n = torch, base, n
         config = base.config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        weight = base.lm_head.weight
-        shape = (rows, self.kv_heads, width, self.head_dim)
-        self.keys = [weight.new_empty(shape) for _ in base.model.layers]  # (rows, h, S, d) each
-        self.values = [weight.new_empty(shape) for _ in base.model.layers]
         self.layers = [self._plan(layer) for layer in base.model.layers]
         self.lm_head = lora_linear(base.lm_head)
         self.head = {"lm_head": ([self.lm_head], self.lm_head[2])}  # a group of one, for project
         self.norm = norm_args(base.model.norm)
+        self.prompt = [(layer.keys, layer.values) for layer in cache.layers]  # (P, h, W, d) each
+        weight = self.lm_head[0]
+        P, W = mask.shape
+        T = positions.shape[1]
+        shape = (P, self.kv_heads, n, T, self.head_dim)  # the new tokens' keys and values
+        self.keys = [weight.new_empty(shape) for _ in self.layers]  # (P, h, n, T, d) each
+        self.values = [weight.new_empty(shape) for _ in self.layers]
+        # additive mask of the prompt columns: 0 where attended, -inf at left padding
+        self.bias = torch.zeros((P, 1, 1, 1, W), dtype=torch.float32, device=weight.device)
+        self.bias.masked_fill_(mask[:, None, None, None] == 0, -float("inf"))  # (P, 1, 1, 1, W)
+        # the rotary cos/sin of every step's position; rotate_half(x) * sin (transformers'
+        # rotation) is x.roll(d/2) * sin with sin's first half negated
+        cos, sin = base.model.rotary_emb(weight, positions)  # (rows, T, d) each
+        half = self.head_dim // 2
+        self.cos, self.sin = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     @staticmethod
     def _plan(layer):
@@ -410,26 +420,25 @@ class FastDecoder:
         plan["act"], plan["scaling"] = mlp.act_fn, attn.scaling
         return plan
 
-    def fill(self, cache, n):
-        """Copy a DynamicCache of P prompts into the first columns, each prompt's n rows."""
-        if cache is None:
-            return
-        for i, layer in enumerate(cache.layers):
-            P, h, C, d = layer.keys.shape
-            self.keys[i][:, :, :C].view(P, n, h, C, d).copy_(layer.keys[:, None])
-            self.values[i][:, :, :C].view(P, n, h, C, d).copy_(layer.values[:, None])
-
-    def set_positions(self, positions, mask):
-        """The rotary cos/sin of every step's position (rows, T) and the additive attention mask
-        of the columns (rows, S): 0 where attended, -inf at left padding. rotate_half(x) * sin
-        (transformers' rotation) is x.roll(d/2) * sin with sin's first half negated."""
+    def attend(self, i, q, c, scaling):
+        """softmax(q K^T * scaling + mask) V for the rows' queries q (rows, H, d) over their
+        prompt's columns and their c new ones (layer i); query head j*g + m reads key/value head
+        j (transformers' repeat_kv). Returns (rows, H*d)."""
         torch = self.torch
-        weight = self.lm_head[0]
-        cos, sin = self.base.model.rotary_emb(weight, positions)  # (rows, T, d) each
-        half = self.head_dim // 2
-        self.cos, self.sin = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        self.bias = torch.zeros(mask.shape, dtype=weight.dtype, device=weight.device)  # (rows, S)
-        self.bias.masked_fill_(mask == 0, -float("inf"))
+        keys, values = self.prompt[i]  # (P, K, W, d) each
+        P, K, W, d = keys.shape
+        n, g = self.n, self.heads // K
+        q = q.view(P, n, K, g, d).transpose(1, 2)  # (P, K, n, g, d)
+        # each prompt's columns once for its n rows: its n*g queries in one matmul
+        s_prompt = q.reshape(P, K, n * g, d) @ keys.transpose(-1, -2)  # (P, K, n*g, W)
+        s_new = q @ self.keys[i][:, :, :, :c].transpose(-1, -2)  # (P, K, n, g, c)
+        scores = torch.cat([s_prompt.view(P, K, n, g, W), s_new], -1)  # (P, K, n, g, W+c)
+        scores = scores.float() * scaling
+        scores[..., :W] += self.bias  # -inf at the prompts' left padding
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (P, K, n, g, W+c)
+        out = probs[..., :W].reshape(P, K, n * g, W) @ values  # (P, K, n*g, d)
+        out = out.view(P, K, n, g, d) + probs[..., W:] @ self.values[i][:, :, :, :c]
+        return out.transpose(1, 2).reshape(P * n, K * g * d)  # (rows, H*d), rows prompt-major
 
     def project(self, x, key, plan, residual=None):
         """Each linear map of a group on x (rows, in), LoRA included: residual + x @ W.T + bias
@@ -452,15 +461,14 @@ class FastDecoder:
             outs.append(y)
         return outs
 
-    def step(self, token, column, t):
-        """Feed one token per row at cache column `column` (decode step t); the next position's
-        logits (rows, V)."""
+    def step(self, token, t):
+        """Feed the new token t-1 of each row (step t >= 1); the next position's logits (rows, V)."""
         import torch.nn.functional as F
 
         torch = self.torch
         rows, d, H, K = token.shape[0], self.head_dim, self.heads, self.kv_heads
+        P, n = rows // self.n, self.n
         cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (rows, 1, d)
-        bias = self.bias[:, None, None, : column + 1]  # (rows, 1, 1, c) the columns attended
         h = self.base.model.embed_tokens(token)  # (rows, D)
         for i, plan in enumerate(self.layers):
             (w1, eps1), (w2, eps2) = plan["norms"]
@@ -471,14 +479,11 @@ class FastDecoder:
                 (wq, eq), (wk, ek) = plan["qk_norms"]
                 q, k = F.rms_norm(q, wq.shape, wq, eq), F.rms_norm(k, wk.shape, wk, ek)
             q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)  # (rows, H, d) rotated
-            self.keys[i][:, :, column] = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)
-            self.values[i][:, :, column] = v.view(rows, K, d)
-            # the g = H/K query heads of key/value head j (transformers' repeat_kv) as its queries
-            out = F.scaled_dot_product_attention(
-                q.view(rows, K, H // K, d), self.keys[i][:, :, : column + 1],
-                self.values[i][:, :, : column + 1], attn_mask=bias,
-                scale=plan["scaling"])  # (rows, K, g, d)
-            h = self.project(out.reshape(rows, H * d), "o", plan, residual=h)[0]  # (rows, D)
+            k = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)  # (rows, K, d) rotated
+            self.keys[i][:, :, :, t - 1] = k.view(P, n, K, d).transpose(1, 2)  # (P, K, n, d)
+            self.values[i][:, :, :, t - 1] = v.view(P, n, K, d).transpose(1, 2)
+            out = self.attend(i, q, t, plan["scaling"])  # (rows, H*d)
+            h = self.project(out, "o", plan, residual=h)[0]  # (rows, D)
             x = F.rms_norm(h, w2.shape, w2, eps2)  # (rows, D)
             gate, up = self.project(x, "gate_up", plan)  # (rows, F) each
             h = self.project(plan["act"](gate) * up, "down", plan, residual=h)[0]  # (rows, D)
