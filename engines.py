@@ -214,8 +214,8 @@ class HFEngine:
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
         """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
         from _prefill (each prompt once, not n times), then one token per step through
-        FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens, until every row
-        has an EOS or max_new_tokens. Returns the new ids and their log-probs, both (P*n, T)."""
+        FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens,
+        until every row has an EOS or max_new_tokens. Returns the new ids and their log-probs, both (P*n, T)."""
         torch = self.torch
         P, W = ids.shape
         rows = P * n
@@ -413,7 +413,8 @@ class FastDecoder:
             parts = [lora_linear(m) for m in modules]
             A = None if parts[0][2] is None else torch.cat([p[2] for p in parts])  # (k*r, in)
             plan[key] = (parts, A)
-        plan["norms"] = (norm_args(layer.input_layernorm), norm_args(layer.post_attention_layernorm))
+        plan["norms"] = (norm_args(layer.input_layernorm),
+                         norm_args(layer.post_attention_layernorm))
         # qwen3: an RMSNorm per head on q and k, before the rotation
         plan["qk_norms"] = (norm_args(attn.q_norm), norm_args(attn.k_norm)) \
             if hasattr(attn, "q_norm") else None
@@ -462,7 +463,7 @@ class FastDecoder:
         return outs
 
     def step(self, token, t):
-        """Feed the new token t-1 of each row (step t >= 1); the next position's logits (rows, V)."""
+        """Feed each row's new token t-1 (step t >= 1); the next position's logits (rows, V)."""
         import torch.nn.functional as F
 
         torch = self.torch

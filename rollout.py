@@ -186,7 +186,7 @@ class Replica:
 # ---- ALGO, step 3: sampling (the engines' generate)
 # engine.generate(prompt_ids_list, n, max_new_tokens, temperature) returns one list per prompt of
 # n Samples (ids, logprobs, text, finish_reason): ids cut at and including the first EOS, each
-# id's log-prob under softmax(logits / T). The engines (vLLM; transformers + peft) are in engines.py.
+# id's log-prob under softmax(logits / T). The engines, vLLM and transformers + peft: engines.py.
 
 def chat_prompt(tokenizer, question):
     """The chat-templated prompt text and its token ids (what the engine is fed)."""

@@ -55,7 +55,8 @@ from tasks import load_task  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="model folder or id (default: the tiny test model)")
+    p.add_argument("--model", default=None,
+                   help="model folder or id (default: the tiny test model)")
     p.add_argument("--shapes", nargs="+", default=["4x8x12", "8x8x64"],
                    help="PxGxT: prompts x num_generations x max_completion_length")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per method and shape")
@@ -74,7 +75,7 @@ def parse_args(argv=None):
 
 
 def make_adapter(model_dir, out_dir, r):
-    """A PEFT LoRA on all linear layers with random nonzero B (in effect, unlike an untrained v0)."""
+    """A PEFT LoRA on all linear layers, random nonzero B (in effect, unlike an untrained v0)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -114,7 +115,7 @@ def work(config, prompt_lens, prefix, rows, steps):
 
     if prefix:
         add(prefix, 0)  # the common prefix, once
-    add(sum(n - prefix for n in prompt_lens), len(prompt_lens))  # each rest once; LM head at the end
+    add(sum(n - prefix for n in prompt_lens), len(prompt_lens))  # each rest once, LM head at end
     for _ in range(steps - 1):  # each new token but the last goes through the model
         add(rows, rows)
     # attention: q.k and p.v, 2 * 2 * H * d FLOPs per (query, key) pair, causal

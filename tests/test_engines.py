@@ -68,7 +68,8 @@ def test_decode_loop_equals_generate_in_other_shapes(tiny_model, adapter):
         engine.fast = False
         plain = sample(engine, prompts, n, max_new_tokens)
         assert [[s.ids for s in g] for g in fast] == [[s.ids for s in g] for g in plain]
-        assert [[s.finish_reason for s in g] for g in fast] == [[s.finish_reason for s in g] for g in plain]
+        assert [[s.finish_reason for s in g] for g in fast] == \
+            [[s.finish_reason for s in g] for g in plain]
         d = max(abs(a - b) for g, h in zip(fast, plain) for s, t in zip(g, h)
                 for a, b in zip(s.logprobs, t.logprobs))
         assert d < 1e-4
