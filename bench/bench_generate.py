@@ -141,6 +141,22 @@ def linear_rate(rows, i, o, trials=5, min_s=0.05):
     return best
 
 
+def streamed_seconds(model, rows, trials=5):
+    """CPU seconds of one decode step's matmuls alone: every linear map of the model (its own
+    weights, read from memory as a step reads them, not hot in cache) and the LM head, through
+    F.linear back to back at `rows` rows; the median of `trials`."""
+    weights = [m.weight for name, m in model.get_base_model().named_modules()
+               if isinstance(m, torch.nn.Linear) and "lora_" not in name]  # base maps + LM head
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    times = []
+    for _ in range(trials + 1):  # the first warms up
+        t0 = time.process_time()
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+        times.append(time.process_time() - t0)
+    return statistics.median(times[1:])
+
+
 def floor_seconds(mm, attn_flops, rates):
     flops = sum(2 * r * i * o * c for (r, i, o), c in mm.items()) + attn_flops
     seconds = sum(2 * r * i * o * c / rates[(r, i, o)] for (r, i, o), c in mm.items())
@@ -246,6 +262,13 @@ def bench(args, engine):
         decode = {(r, i, o): rates[(r, i, o)] for (r, i, o) in mm if r == P * n}
         print(f"{'':>8} fp32 rates at {P * n} rows, GFLOP/s: " + ", ".join(
             f"{i}->{o} {v / 1e9:.0f}" for (_, i, o), v in sorted(decode.items())))
+        step_mm, _ = work(config, [1], 0, P * n, 2)  # one decode step's matmuls
+        step_mm = {k: c for k, c in step_mm.items() if k[0] == P * n}
+        step_floor = sum(2 * r * i * o * c / (rates.get((r, i, o)) or linear_rate(r, i, o))
+                         for (r, i, o), c in step_mm.items())
+        print(f"{'':>8} one decode step at {P * n} rows: floor {step_floor * 1e3:.1f} ms; the "
+              f"model's own weights through F.linear back to back "
+              f"{streamed_seconds(engine.model, P * n) * 1e3:.1f} ms (CPU time)")
     print(f"load average after: {os.getloadavg()[0]:.2f} (more than 0 means other work shared "
           f"the CPU)")
 
