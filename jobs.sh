@@ -51,7 +51,7 @@ if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What i
   : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=30}"
   : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${LEARNING_RATE:=3e-4}"
   : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-12}}"   # MAX_NEW_TOKENS: its old name
-  : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=100}"
+  : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=0}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
   : "${NAME:=local-$(date +%Y%m%d-%H%M%S)}"
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
@@ -265,7 +265,7 @@ $(tail -5 "$RUN/proxy.log")"
     die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's?" \
         "Set PROXY_PORT to a free port"
 
-  banner "base model: greedy accuracy on (up to) $EVAL_LIMIT held-out $TASK problems"
+  banner "base model: greedy accuracy on held-out $TASK problems (EVAL_LIMIT $EVAL_LIMIT; 0: all)"
   # The evaluations run alone: they get every core (torch's default), the roles one thread each.
   env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter base \
     --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \

@@ -1,7 +1,7 @@
 """The tasks a replica trains on and their rewards: prompts from a split, a score per completion.
 
     task    prompts                                                      reward
-    arith   "What is A + B?" (A, B <= 50); held-out pairs by a hash      the last number
+    arith   "What is A + B?" (A, B in 0..50); held-out pairs by a hash    the last number
     gsm8k   grade-school math (local JSONL or the hub's openai/gsm8k)    the last number
     math    MATH (local JSONL or the hub's MATH-lighteval), \\boxed{}    math-verify
     toy     "Say a digit." for the tiny test model                       a "7" anywhere
