@@ -347,7 +347,7 @@ def test_the_bash_3_2_check_can_fail(tmp_path):
     assert res.returncode != 0 and "bash 3.2" in res.stderr
 
 
-@pytest.mark.parametrize("script", ["jobs.sh", "scripts/gpu_check.sh"])
+@pytest.mark.parametrize("script", ["jobs.sh", "jobs_hf.sh", "scripts/gpu_check.sh"])
 def test_launch_scripts_use_nothing_newer_than_bash_3_2(script):
     text = open(os.path.join(ROOT, script)).read()
     code = "\n".join(line.split(" #")[0] for line in text.splitlines() if not line.lstrip().startswith("#"))
