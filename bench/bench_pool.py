@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -33,20 +34,28 @@ import urllib.request
 import bench_async as ba  # the roles as subprocesses, the step records, the load measurement
 
 
-def slow_replica(k, argv):
-    """rollout.py, k x slower: each generate call is followed by (k - 1) x its own time asleep."""
+def emulated_replica(k, seconds_per_token, argv):
+    """rollout.py as if on a machine of its own, k x slower than the fast replica. Its work is
+    real (the current adapter, the proxy's quota, groups the trainer uses); two things emulate
+    the other machine. It runs at the lowest CPU priority (SCHED_IDLE), so it takes only cycles
+    the trainer and the fast replica leave idle, as a separate machine takes none of theirs. And
+    after each generate call it sleeps until k x `seconds_per_token` (the fast replica's, measured
+    in the fast-alone column) has passed for the tokens it generated: a measured delay per token,
+    taking no core. Starved of idle cycles it is slower than k x; the table prints the k it had."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # before torch starts its threads
     import rollout
 
-    def slowed(generate):
-        def generate_slowly(self, *args, **kwargs):
+    def paced(generate):
+        def generate_paced(self, *args, **kwargs):
             t0 = time.monotonic()
-            out = generate(self, *args, **kwargs)
-            time.sleep((k - 1) * (time.monotonic() - t0))  # a slower GPU, without taking a core
+            out = generate(self, *args, **kwargs)  # n lists of G samples
+            tokens = sum(len(s.ids) for group in out for s in group)
+            time.sleep(max(0.0, t0 + k * seconds_per_token * tokens - time.monotonic()))
             return out
-        return generate_slowly
+        return generate_paced
 
-    rollout.HFEngine.generate = slowed(rollout.HFEngine.generate)
-    rollout.VLLMEngine.generate = slowed(rollout.VLLMEngine.generate)
+    rollout.HFEngine.generate = paced(rollout.HFEngine.generate)
+    rollout.VLLMEngine.generate = paced(rollout.VLLMEngine.generate)
     rollout.main(argv)
 
 
@@ -100,15 +109,30 @@ def killer(every, warmup, kills):
     return during
 
 
+TOKENS = re.compile(r"groups/s (\d+) tokens/s .* gen ([\d.]+)s$")
+
+
+def seconds_per_token(log, t0, t1):
+    """A replica's generation seconds per generated token over its batches that ended in t0..t1,
+    from its log (the unix time each line arrived, then the line)."""
+    gen = tokens = 0.0
+    for line in open(log):
+        t, _, text = line.rstrip("\n").partition(" ")
+        if (m := TOKENS.search(text)) and t0 < float(t) <= t1:
+            gen, tokens = gen + float(m.group(2)), tokens + int(m.group(1)) * float(m.group(2))
+    return gen / max(1.0, tokens)
+
+
 def column(opts, label, slow=None, kill=False):
-    """One run: (label, summary, per-replica numbers)."""
+    """One run: the summary, with per-replica numbers. slow: k of the emulated second replica
+    (None: the fast one alone)."""
     replicas = 1 if slow is None else 2
     o = argparse.Namespace(**{**vars(opts), "replicas": replicas})
     py, here = sys.executable, os.path.abspath(__file__)
 
     def replica(i):
-        if i == 1 and slow and slow != 1:
-            return [py, here, "--as-slow-replica", str(slow)], {}
+        if i == 1:
+            return [py, here, "--as-replica", str(slow), str(opts.seconds_per_token)], {}
         return [py, os.path.join(os.path.abspath(opts.code), "rollout.py")], {}
 
     kills = []
@@ -128,6 +152,8 @@ def column(opts, label, slow=None, kill=False):
         per[name] = {"share": sum(b["accepted"] for b in mine) / total,
                      "idle": max(0.0, 1 - gen / (t1 - t0)),
                      "rate": sum(b["accepted"] for b in mine) / gen if gen else 0.0}
+    if slow is None:  # the pace the emulated replicas are set against
+        opts.seconds_per_token = seconds_per_token(os.path.join(run_dir, "replica-0.log"), t0, t1)
     s.update(label=label, per=per, kills=len([k for k in kills if t0 < k <= t1]),
              over_quota=run["stats"]["over_quota"])
     print(f"{label}: {s['step_s']:.3f} s/step (logs in {run_dir})", flush=True)
@@ -144,8 +170,10 @@ def print_table(rows, opts):
     def row(label, fmt):
         lines.append(f"{label:<30}" + "".join(f"{fmt(r):>14}" for r in rows))
 
+    fast = alone["per"]["replica-0"]["rate"]  # groups per generation second, on its own core
     for r in rows:
-        rate = sum(p["rate"] for p in r["per"].values())  # groups per second, all replicas
+        # the fast replica at its own best rate, the second one at the rate it had in the run
+        rate = fast + r["per"].get("replica-1", {}).get("rate", 0.0)
         r["bound"] = max(t_train, opts.groups / max(1e-9, rate))
     row("seconds per step", lambda r: f"{r['step_s']:.3f}")
     row("vs fast alone", lambda r: f"{alone['step_s'] / r['step_s']:.2f}x")
@@ -155,6 +183,8 @@ def print_table(rows, opts):
         row(f"{name} share", lambda r: f"{r['per'][name]['share']:.1%}" if name in r["per"]
             else "-")
         row(f"{name} idle", lambda r: f"{r['per'][name]['idle']:.1%}" if name in r["per"] else "-")
+    row("replica-1 k x slower (as run)", lambda r: f"{fast / r['per']['replica-1']['rate']:.1f}"
+        if r["per"].get("replica-1", {}).get("rate") else "-")
     row("groups dropped (stale+over)", lambda r: f"{r['dropped']}+{r['over_quota']}")
     row("bound s/step", lambda r: f"{r['bound']:.3f}")
     row("of bound", lambda r: f"{r['bound'] / r['step_s']:.0%}")
@@ -169,8 +199,8 @@ def print_table(rows, opts):
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] == "--as-slow-replica":
-        return slow_replica(float(sys.argv[2]), sys.argv[3:])
+    if len(sys.argv) > 3 and sys.argv[1] == "--as-replica":  # column(): the emulated replica
+        return emulated_replica(float(sys.argv[2]), float(sys.argv[3]), sys.argv[4:])
     opts = parse_args()
     ba.fresh_out(opts)
     print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, B={opts.groups}, "
