@@ -296,8 +296,8 @@ class RolloutBuffer:
             self.waiting -= n
             out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
             self._deliver(out, self.trainer_version)
-            if self.taken >= self.contract["groups_per_step"] > self.taken - len(out):
-                self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2  # a whole batch
+            if self.taken >= self.contract["groups_per_step"] > self.taken - len(out):  # complete
+                self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2
             delivery = None
             if out and ack is not None:
                 self.deliveries += 1
@@ -378,8 +378,9 @@ class RolloutBuffer:
         step already took, those buffered and those leased to other replicas. Each replica asking
         gets at most its share of a step (_shares: by its measured speed); a lease counts as coming
         until _expiry (its own pace). A replica the others do not wait for (_overtaken) gets only
-        the groups it makes before the trainer takes its batch at v + S, the last that can use
-        them: a slow replica's work is not dropped as stale."""
+        the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
+        batch at v + S, the last that can use them: a slow replica's work is not dropped as stale.
+        """
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
