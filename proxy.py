@@ -400,7 +400,10 @@ class RolloutBuffer:
         if c["zero_variance"] == "drop" and self.recent_usable:
             kept = sum(self.recent_usable) / len(self.recent_usable)
             lack = math.ceil(lack / max(0.05, kept))
-        n = min(most, lack, max(1, round(B * self._shares(now, worker)[worker])))
+        shares = self._shares(now, worker)
+        n = min(most, lack, max(1, round(B * shares[worker])))
+        if S > 0 and worker not in self.pace and len(shares) > 1:
+            n = 1  # a new replica among others: one group to measure it on, nobody waits for it
         if self._overtaken(worker, now) and self.step_s and worker in self.pace:
             # the trainer completes its batch at v + S about then (at its pace since set_version)
             left = self.version_at + (version + S - t) * self.step_s + self.fill_s - now

@@ -676,6 +676,16 @@ def test_a_new_replicas_lease_is_not_what_the_trainer_waits_for(proxy):
     assert workers == ["fast"] * 16, workers
 
 
+def test_above_staleness_0_a_new_replica_among_others_is_given_one_group_to_measure_it(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, client = ProxyClient(url), ProxyClient(url)
+    trainer.set_version(0)
+    assert client.quota("first", 0, 100, timeout=0)["groups"] == 4  # alone: a whole step
+    assert client.quota("new", 0, 100, timeout=0)["groups"] == 1  # its speed unknown: one group
+    client.post_rollouts(groups_for("new", 0, 1, "measured"))
+    assert client.quota("new", 0, 100, timeout=0)["groups"] > 1  # measured: its share (here fast)
+
+
 def test_a_slow_replica_is_given_only_groups_that_arrive_in_time_to_be_used(proxy):
     url, _ = proxy(max_staleness=2, groups_per_step=4)
     trainer, stop = ProxyClient(url), threading.Event()
