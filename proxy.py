@@ -64,7 +64,7 @@ MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
 # a measured replica's lease counts as coming for LEASE_SLACK x the time its own pace says, at
-# least LEASE_FLOOR_S: a dead replica's groups are made by the others about a lease's time later
+# least LEASE_FLOOR_S: a dead replica's groups go to the others half a lease after they were due
 LEASE_SLACK, LEASE_FLOOR_S = 1.5, 0.5
 # above max_staleness 0, a lease of a replica this much slower than the asker does not count as
 # coming: the asker makes those groups too (RolloutBuffer._coming)
