@@ -69,6 +69,8 @@ LEASE_SLACK, LEASE_FLOOR_S = 1.5, 0.5
 # above max_staleness 0, a lease of a replica this much slower than the asker does not count as
 # coming: the asker makes those groups too (RolloutBuffer._coming)
 SLOWER = 1.5
+# the `why` of a /quota answer of one group to a replica too slow to be leased: is it faster now?
+PROBE = "a probe: one group, to measure this replica again"
 # counted in total and per worker
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET",
@@ -206,6 +208,9 @@ class RolloutBuffer:
         self.done, self.closed, self.started = False, False, time.time()
         self.leases = {}  # worker -> Lease (n 0: asking)
         self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
+        # a replica too slow to be leased (_quota) is probed with one group this long after its
+        # last delivery (seconds, doubled per probe), in case it got faster; and when
+        self.probe_gap, self.delivered_at = {}, {}
         # for main(): who heard "done", and when the last request came
         self.told_done, self.last_request = set(), time.monotonic()
         # drop mode: did recent groups have unequal rewards?
@@ -341,6 +346,8 @@ class RolloutBuffer:
                 now = time.monotonic()
                 self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
                 self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
+                self.probe_gap = {w: p for w, p in self.probe_gap.items() if w in self.leases}
+                self.delivered_at = {w: p for w, p in self.delivered_at.items() if w in self.leases}
                 if len(self.leases) >= MAX_WORKERS:
                     raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one "
                                    "expires (--lease-timeout)", 429,
@@ -365,6 +372,10 @@ class RolloutBuffer:
                         "why": "the trainer is done: exit"}
             n, why = self._quota(worker, version, most)
             now = time.monotonic()
+            if why == PROBE:  # the next probe twice as late; a replica leased again is no more
+                self.probe_gap[worker] = 2 * self._probe_gap(worker)
+            elif n:
+                self.probe_gap.pop(worker, None)
             self.leases[worker] = Lease(n, self._expiry(worker, n, now), version, now, n)
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
@@ -379,8 +390,8 @@ class RolloutBuffer:
         gets at most its share of a step (_shares: by its measured speed); a lease counts as coming
         until _expiry (its own pace). A replica the others do not wait for (_overtaken) gets only
         the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
-        batch at v + S, the last that can use them: a slow replica's work is not dropped as stale.
-        """
+        batch at v + S, the last that can use them: a slow replica's work is not dropped as stale,
+        but for a PROBE now and then (_probe_gap), in case it got faster."""
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
@@ -408,10 +419,15 @@ class RolloutBuffer:
             # the trainer completes its batch at v + S about then (at its pace since set_version)
             left = self.version_at + (version + S - t) * self.step_s + self.fill_s - now
             if (n := min(n, int(left / (LEASE_SLACK * self.pace[worker])))) < 1:  # even if late
+                if now - self.delivered_at.get(worker, now) >= self._probe_gap(worker):
+                    return 1, PROBE
                 return 0, (f"at {self.pace[worker]:.3g} s per group, a group made with v{version} "
                            f"would arrive after the trainer's v{version + S} took its last batch "
                            f"(max_staleness {S}, {self.step_s:.3g} s per step): wait for the next")
         return n, None
+
+    def _probe_gap(self, worker):
+        return self.probe_gap.get(worker, 8 * self.step_s)  # first: 8 of the trainer's steps
 
     def _coming(self, worker, w, lease, now):
         """Does replica w's lease count as coming when `worker` asks? Live, and (above
@@ -468,9 +484,11 @@ class RolloutBuffer:
         lease = self.leases[worker]
         lease.n -= 1
         if lease.n == 0 and lease.given > 0:  # seconds per group, from the lease to its last group
-            sample = (time.monotonic() - lease.since) / lease.given
-            old = self.pace.get(worker, sample)
-            self.pace[worker] = (old + sample) / 2
+            now = time.monotonic()
+            sample = (now - lease.since) / lease.given
+            # a probe's measure replaces the one that stopped the leases
+            old = self.pace.get(worker, sample) if worker not in self.probe_gap else sample
+            self.pace[worker], self.delivered_at[worker] = (old + sample) / 2, now
 
     # ---- SUPPORT: the buffer's bookkeeping, the end of the run, counters
 

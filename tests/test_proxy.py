@@ -692,7 +692,8 @@ def test_a_slow_replica_is_given_only_groups_that_arrive_in_time_to_be_used(prox
     trainer.set_version(0)
     # The fast replica makes a step in 0.4 s, the trainer waits for it. A group of the 5x slower
     # one takes 0.5 s and arrives within the 2 steps max_staleness gives: used. One of the 15x
-    # slower one takes 1.5 s, almost 4 steps: it would be dropped as stale, so it is not asked for.
+    # slower one takes 1.5 s, almost 4 steps: it would be dropped as stale, so it is not asked for
+    # (but for a probe now and then).
     paces = {"fast": 0.1, "slow": 0.5, "slowest": 1.5}
     for worker, pace in paces.items():
         threading.Thread(target=replica_loop, args=(url, worker, pace, stop), daemon=True).start()
@@ -713,7 +714,39 @@ def test_a_slow_replica_is_given_only_groups_that_arrive_in_time_to_be_used(prox
     finally:
         stop.set()
     made, stale = ({w: after[w][k] - before[1][w][k] for w in paces} for k in ("accepted", "dropped_stale"))
-    assert stale == {"fast": 0, "slow": 0, "slowest": 0} and made["slow"] > 0, (made, stale)
+    # the slowest loses only the probes that ask if it got faster (8 steps after its last
+    # group, then 16, ...): at most 2 in 16 steps
+    assert stale["fast"] == stale["slow"] == 0 and made["slow"] > 0, (made, stale)
+    assert stale["slowest"] == made["slowest"] <= 2, (made, stale)
+
+
+def test_a_replica_too_slow_to_be_leased_is_probed_and_leased_again_once_fast(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    threading.Thread(target=replica_loop, args=(url, "fast", 0.03, stop), daemon=True).start()
+    client, made, v = ProxyClient(url), collections.Counter(), 0
+
+    def hiccup():  # its first group takes 3 s (a cold start), then it is as fast as "fast"
+        nonlocal v
+        while not stop.is_set():
+            q = client.quota("hiccup", v, 100, timeout=1.0)
+            v = q["trainer_version"]
+            if q["groups"] and v is not None:
+                time.sleep(3.0 if not made else 0.03 * q["groups"])
+                client.post_rollouts(groups_for("hiccup", v, q["groups"], f"h{sum(made.values())}"))
+                made[q["why"] or "lease"] += 1
+
+    try:
+        threading.Thread(target=hiccup, daemon=True).start()
+        for step in range(60):  # ~0.1 s a step: 8 steps after its first group, a probe
+            assert len(trainer.get_batch(4, timeout=30)["groups"]) == 4
+            time.sleep(0.1)
+            trainer.set_version(step + 1)
+    finally:
+        stop.set()
+    # measured at 3 s a group it would never be leased again; a probe measures it at 0.03 s
+    assert made["a probe: one group, to measure this replica again"] >= 1 and made["lease"] > 2, made
 
 
 def test_done_ends_the_quota_long_polls(proxy):
