@@ -37,6 +37,7 @@ idle one (the last two rows show the load). Rows:
 
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -60,7 +61,8 @@ def emulated_replica(k, seconds_per_token, restart, argv):
     normal priority, during the warm-up steps; a restart, in the measured steps, at SCHED_IDLE."""
     def lowest_priority():  # every thread of this process
         for tid in os.listdir("/proc/self/task"):
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
 
     if restart:
         lowest_priority()
