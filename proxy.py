@@ -54,10 +54,14 @@ MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-LEASE_FLOOR_S = 1.0  # a measured replica's lease counts as coming >= this (and 3x its own pace)
+# a measured replica's lease counts as coming for LEASE_SLACK x the time its own pace says, at
+# least LEASE_FLOOR_S: a dead replica's groups go to the others half a lease after they were due
+LEASE_SLACK, LEASE_FLOOR_S = 1.5, 0.5
 # above max_staleness 0, a lease of a replica this much slower than the asker does not count as
 # coming: the asker makes those groups too (RolloutBuffer._coming)
 SLOWER = 1.5
+# the `why` of a /quota answer of one group to a replica too slow to be leased: is it faster now?
+PROBE = "a probe: one group, to measure this replica again"
 # counted in total and per worker
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
 
@@ -149,9 +153,9 @@ class Lease:
 
 
 class RolloutBuffer:
-    """The run's state: a FIFO of usable groups bounded in groups and bytes, the trainer's
-    version, the replicas' leases. accepted = delivered + dropped_stale + dropped_zero_variance +
-    buffered, always."""
+    """The run's state: a queue of usable groups (oldest adapter first) bounded in groups and
+    bytes, the trainer's version and pace, the replicas' leases and paces. accepted = delivered +
+    dropped_stale + dropped_zero_variance + buffered, always."""
 
     def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000,
                  lease_timeout=120.0):
@@ -179,11 +183,17 @@ class RolloutBuffer:
                                      "refused_connections", "closed_idle"], 0)
         self.workers = {}  # worker name -> its own WORKER_COUNTS
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
+        # when it announced that version (monotonic s); lately (moving averages): seconds per
+        # version, and seconds from a version's announcement to its batch complete (its wait)
+        self.version_at, self.step_s, self.fill_s = None, None, 0.0
         # groups delivered at the current trainer_version (a step may take them in parts)
         self.taken = 0
         self.done, self.closed, self.started = False, False, time.time()
         self.leases = {}  # worker -> Lease (n 0: asking)
         self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
+        # a replica too slow to be leased (_quota) is probed with one group this long after its
+        # last delivery (seconds, doubled per probe), in case it got faster; and when
+        self.probe_gap, self.delivered_at = {}, {}
         # for main(): who heard "done", and when the last request came
         self.told_done, self.last_request = set(), time.monotonic()
         # drop mode: did recent groups have unequal rewards?
@@ -246,7 +256,7 @@ class RolloutBuffer:
             # a sender's lease shrinks as its groups arrive
             for g in (g for g in new if g["worker"] in self.leases):
                 self._delivered(g["worker"])
-            self.groups.extend(fresh)
+            self._buffer(fresh)
             self.nbytes += size
             self.cond.notify_all()
             return {"accepted": len(new), "duplicates": len(dups),
@@ -274,6 +284,8 @@ class RolloutBuffer:
             self.waiting -= n
             out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
             self._deliver(out, self.trainer_version)
+            if self.taken >= self.contract["groups_per_step"] > self.taken - len(out):  # complete
+                self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2
             delivery = None
             if out and ack is not None:
                 self.deliveries += 1
@@ -297,6 +309,12 @@ class RolloutBuffer:
                                "another run's trainer? restart the proxy)", 409)
             # counted per trainer version
             self.taken = self.taken if version == self.trainer_version else 0
+            if self.trainer_version is None or version > self.trainer_version:  # the trainer's pace
+                now, t = time.monotonic(), self.trainer_version
+                if t is not None:
+                    sample = (now - self.version_at) / (version - t)
+                    self.step_s = sample if self.step_s is None else (self.step_s + sample) / 2
+                self.version_at = now
             self.trainer_version = version
             self.unconfirmed.clear()  # the trainer stepped on what it was handed: read, all of it
             self.cond.notify_all()
@@ -311,6 +329,8 @@ class RolloutBuffer:
                 now = time.monotonic()
                 self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
                 self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
+                self.probe_gap = {w: p for w, p in self.probe_gap.items() if w in self.leases}
+                self.delivered_at = {w: p for w, p in self.delivered_at.items() if w in self.leases}
                 if len(self.leases) >= MAX_WORKERS:
                     raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one "
                                    "expires (--lease-timeout)", 429,
@@ -325,13 +345,20 @@ class RolloutBuffer:
                              or self._quota(worker, version, most)[0] > 0)
             deadline = time.monotonic() + timeout
             while not ready() and (left := deadline - time.monotonic()) > 0:
-                self.cond.wait(min(left, 0.5))  # another's lease may expire meanwhile: look again
+                # another's lease may expire meanwhile: look again the moment it does
+                now = time.monotonic()
+                ends = [lease.until - now for lease in self.leases.values() if lease.until > now]
+                self.cond.wait(min([left, *ends]))
             if self.done:
                 self.told_done.add(worker)
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
             n, why = self._quota(worker, version, most)
             now = time.monotonic()
+            if why == PROBE:  # the next probe twice as late; a replica leased again is no more
+                self.probe_gap[worker] = 2 * self._probe_gap(worker)
+            elif n:
+                self.probe_gap.pop(worker, None)
             self.leases[worker] = Lease(n, self._expiry(worker, n, now), version, now, n)
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
@@ -344,7 +371,10 @@ class RolloutBuffer:
         ends). So the proxy asks for the groups of steps t .. min(v + S, t + 1), less those this
         step already took, those buffered and those leased to other replicas. Each replica asking
         gets at most its share of a step (_shares: by its measured speed); a lease counts as coming
-        until _expiry (its own pace)."""
+        until _expiry (its own pace). A replica the others do not wait for (_overtaken) gets only
+        the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
+        batch at v + S, the last that can use them: a slow replica's work is not dropped as stale,
+        but for a PROBE now and then (_probe_gap), in case it got faster."""
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
@@ -364,20 +394,44 @@ class RolloutBuffer:
         if c["zero_variance"] == "drop" and self.recent_usable:
             kept = sum(self.recent_usable) / len(self.recent_usable)
             lack = math.ceil(lack / max(0.05, kept))
-        share = max(1, round(B * self._shares(now, worker)[worker]))
-        return min(most, lack, share), None
+        shares = self._shares(now, worker)
+        n = min(most, lack, max(1, round(B * shares[worker])))
+        if S > 0 and worker not in self.pace and len(shares) > 1:
+            n = 1  # a new replica among others: one group to measure it on, nobody waits for it
+        if self._overtaken(worker, now) and self.step_s and worker in self.pace:
+            # the trainer completes its batch at v + S about then (at its pace since set_version)
+            left = self.version_at + (version + S - t) * self.step_s + self.fill_s - now
+            if (n := min(n, int(left / (LEASE_SLACK * self.pace[worker])))) < 1:  # even if late
+                if now - self.delivered_at.get(worker, now) >= self._probe_gap(worker):
+                    return 1, PROBE
+                return 0, (f"at {self.pace[worker]:.3g} s per group, a group made with v{version} "
+                           f"would arrive after the trainer's v{version + S} took its last batch "
+                           f"(max_staleness {S}, {self.step_s:.3g} s per step): wait for the next")
+        return n, None
+
+    def _probe_gap(self, worker):
+        return self.probe_gap.get(worker, 8 * self.step_s)  # first: 8 of the trainer's steps
 
     def _coming(self, worker, w, lease, now):
-        """Does replica w's lease count as coming when `worker` asks? Live, and not from a replica
-        much slower than the asker (above max_staleness 0): the asker makes those groups as well,
-        and the slow replica's arrive on top, used while fresh. So a slow replica's share is never
-        what the trainer waits for; at max_staleness 0 the step takes exactly B, and every lease
-        counts."""
-        if w == worker or lease.until <= now:
-            return False
-        mine, theirs = self.pace.get(worker), self.pace.get(w)
-        return (self.contract["max_staleness"] == 0 or mine is None or theirs is None
-                or theirs <= SLOWER * mine)
+        """Does replica w's lease count as coming when `worker` asks? Live, and (above
+        max_staleness 0) from a replica known to keep up with the asker: otherwise the asker makes
+        those groups as well, and w's arrive on top, used while fresh. So a slow or new replica's
+        share is never what the trainer waits for; at max_staleness 0 the step takes exactly B,
+        and every lease counts."""
+        return w != worker and lease.until > now and not self._slower(w, worker)
+
+    def _slower(self, w, than):
+        """Above max_staleness 0: is replica w not known to keep up with replica `than`, being
+        unmeasured or, measured, SLOWER x the pace of `than`?"""
+        theirs, mine = self.pace.get(w), self.pace.get(than)
+        return self.contract["max_staleness"] > 0 and (
+            theirs is None or (mine is not None and theirs > SLOWER * mine))
+
+    def _overtaken(self, worker, now):
+        """Does a live replica not count `worker`'s leases as coming (_coming)? Then the trainer
+        never waits for its groups: they are used only if they arrive in time."""
+        return any(self._slower(worker, w) for w, lease in self.leases.items()
+                   if w != worker and lease.until > now)
 
     def _shares(self, now, asking=None):
         """{worker: the fraction of a step it may make} for the replicas with live leases, from
@@ -399,26 +453,40 @@ class RolloutBuffer:
         return {w: speed.get(w, 0.0) / whole for w in live}
 
     def _expiry(self, worker, n, now):
-        """When a lease of n groups stops counting as coming: 3x the time the replica's own pace
-        says n groups take, at least LEASE_FLOOR_S; --lease-timeout until its pace is measured."""
+        """When a lease of n groups stops counting as coming: LEASE_SLACK x the time the replica's
+        own pace says n groups take, at least LEASE_FLOOR_S; --lease-timeout until its pace is
+        measured. A replica that is only late still delivers: its groups are within its lease
+        (_within_leases counts groups, not time), used while fresh."""
         if worker not in self.pace or n == 0:
             return now + self.lease_timeout
-        return now + min(self.lease_timeout, max(LEASE_FLOOR_S, 3 * n * self.pace[worker]))
+        most = max(LEASE_FLOOR_S, LEASE_SLACK * n * self.pace[worker])
+        return now + min(self.lease_timeout, most)
 
     def _delivered(self, worker):
         """One group of `worker`'s lease arrived; its last one measures the replica's pace."""
         lease = self.leases[worker]
         lease.n -= 1
         if lease.n == 0 and lease.given > 0:  # seconds per group, from the lease to its last group
-            sample = (time.monotonic() - lease.since) / lease.given
-            old = self.pace.get(worker, sample)
-            self.pace[worker] = (old + sample) / 2
+            now = time.monotonic()
+            sample = (now - lease.since) / lease.given
+            # a probe's measure replaces the one that stopped the leases
+            old = self.pace.get(worker, sample) if worker not in self.probe_gap else sample
+            self.pace[worker], self.delivered_at[worker] = (old + sample) / 2, now
 
     # ---- SUPPORT: the buffer's bookkeeping, the end of the run, counters
 
     def _usable(self, g):
         t = self.trainer_version
         return t is None or 0 <= t - g["policy_version"] <= self.contract["max_staleness"]
+
+    def _buffer(self, groups):
+        """Into the buffer in adapter order, oldest first (arrival order within a version): a slow
+        replica's groups, made with an older adapter, are taken before they turn stale."""
+        for g in groups:
+            i = len(self.groups)
+            while i and self.groups[i - 1]["policy_version"] > g["policy_version"]:
+                i -= 1
+            self.groups.insert(i, g)
 
     def _count(self, key, groups, sign=1):  # in total and for each group's worker
         self.counts[key] += sign * len(groups)

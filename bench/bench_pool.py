@@ -6,25 +6,42 @@ coming back). bench_async.py's roles and measurements, one run per column.
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_pool.py                  # tiny model: ~6 min
     .venv/bin/python bench/bench_pool.py --slowdowns 4 --steps 20 --kill-every 4
 
-A k x slower replica is rollout.py run by this file (--as-slow-replica K): after each generate
-call it sleeps (K - 1) x the call's measured time, so it delivers K x slower and the sleep takes no
-core (two cores cannot host two engines of different speed). Rows:
+The second replica is emulated as a machine of its own (emulated_replica), since two cores cannot
+host the trainer and two engines of different speed. Its work is real: rollout.py with the current
+adapter, asking /quota, its groups used by the trainer. Two things are emulated: it runs at the
+lowest CPU priority (SCHED_IDLE: only cycles the trainer and the fast replica leave idle, as
+another machine takes none of theirs), and after each generate call it sleeps until k x the fast
+replica's seconds per generated token (measured in the fast-alone column) have passed for the
+tokens it made. Starved of idle cycles it is slower than k x: the table prints the k it had. What
+it still takes from the others: memory bandwidth and caches, the proxy's CPU for its requests, and
+its first start-up (run at normal priority, during the warm-up steps; a restart after a kill runs
+at SCHED_IDLE like its generation). Other load on the machine starves it: measure on an otherwise
+idle one (the last two rows show the load). Rows:
 
   seconds per step     wall / measured steps; the trainer idle is its wait_s / wall
   replica-i share      replica i's groups among those the proxy accepted in the measured steps
   replica-i idle       1 - (generation seconds of its batches that ended in the window) / wall
+  replica-1 k          the fast replica's rate alone / replica 1's rate in the run
   dropped              groups stale on arrival + over quota (a killed replica's lease is neither)
-  bound                the fastest step the pool allows: max(T_train, B / sum of replica rates), the
-                       rates (groups per generation second) measured in that run, T_train from the
-                       fast-alone run; "of bound" is bound / seconds per step
-  cost per kill        (this column's wall - the equal pair's wall) / kills, against the fast
-                       replica's generation time for one step
+  bound                the fastest step the pool allows: max(T_train, B / (r0 + r1)), r0 the fast
+                       replica's rate alone (groups per generation second), r1 the second one's
+                       in that run, T_train from the fast-alone run; "of bound" is bound / seconds
+                       per step
+  stall per kill       per kill, from the last step before it to the first step after the killed
+                       replica (restarted) delivered again: the seconds beyond as many steps at
+                       the fast-alone pace (what holding a dead lease cost the trainer), against
+                       the fast replica's generation time for one step
+  cost per kill        (this column's wall - the equal pair's wall) / kills: the stall plus the
+                       groups the replica did not make while dead and restarting
 """
 
+
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -33,20 +50,37 @@ import urllib.request
 import bench_async as ba  # the roles as subprocesses, the step records, the load measurement
 
 
-def slow_replica(k, argv):
-    """rollout.py, k x slower: each generate call is followed by (k - 1) x its own time asleep."""
+def emulated_replica(k, seconds_per_token, restart, argv):
+    """rollout.py as if on a machine of its own, k x slower than the fast replica. Its work is
+    real (the current adapter, the proxy's quota, groups the trainer uses); two things emulate
+    the other machine. It generates at the lowest CPU priority (SCHED_IDLE), so it takes only
+    cycles the trainer and the fast replica leave idle, as a separate machine takes none of
+    theirs. And after each generate call it sleeps until k x `seconds_per_token` (the fast
+    replica's, measured in the fast-alone column) have passed for the tokens it generated: a
+    measured delay per token, taking no core. Its first start-up (torch, the model) runs at
+    normal priority, during the warm-up steps; a restart, in the measured steps, at SCHED_IDLE."""
+    def lowest_priority():  # every thread of this process
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+
+    if restart:
+        lowest_priority()
     import rollout
 
-    def slowed(generate):
-        def generate_slowly(self, *args, **kwargs):
+    def paced(generate):
+        def generate_paced(self, *args, **kwargs):
+            if os.sched_getscheduler(0) != os.SCHED_IDLE:  # the first call: start-up is over
+                lowest_priority()
             t0 = time.monotonic()
-            out = generate(self, *args, **kwargs)
-            time.sleep((k - 1) * (time.monotonic() - t0))  # a slower GPU, without taking a core
+            out = generate(self, *args, **kwargs)  # n lists of G samples
+            tokens = sum(len(s.ids) for group in out for s in group)
+            time.sleep(max(0.0, t0 + k * seconds_per_token * tokens - time.monotonic()))
             return out
-        return generate_slowly
+        return generate_paced
 
-    rollout.HFEngine.generate = slowed(rollout.HFEngine.generate)
-    rollout.VLLMEngine.generate = slowed(rollout.VLLMEngine.generate)
+    rollout.HFEngine.generate = paced(rollout.HFEngine.generate)
+    rollout.VLLMEngine.generate = paced(rollout.VLLMEngine.generate)
     rollout.main(argv)
 
 
@@ -100,15 +134,50 @@ def killer(every, warmup, kills):
     return during
 
 
+TOKENS = re.compile(r"groups/s (\d+) tokens/s .* gen ([\d.]+)s$")
+
+
+def seconds_per_token(log, t0, t1):
+    """A replica's generation seconds per generated token over its batches that ended in t0..t1,
+    from its log (the unix time each line arrived, then the line)."""
+    gen = tokens = 0.0
+    for line in open(log):
+        t, _, text = line.rstrip("\n").partition(" ")
+        if (m := TOKENS.search(text)) and t0 < float(t) <= t1:
+            gen, tokens = gen + float(m.group(2)), tokens + int(m.group(1)) * float(m.group(2))
+    return gen / max(1.0, tokens)
+
+
+def stalls(run, kills, step_alone):
+    """Seconds each kill cost the trainer beyond the fast replica alone: from the last step that
+    ended before the kill to the first that ended after replica 1 delivered again, less as many
+    steps at `step_alone`."""
+    ends = sorted(r["time"] for r in run["metrics"])
+    back = sorted(b["t"] for b in run["batches"] if b["replica"] == "replica-1")
+    out = []
+    for k in kills:
+        b = next((t for t in back if t > k), None)
+        before = max((t for t in ends if t <= k), default=None)
+        after = next((t for t in ends if b is not None and t >= b), None)
+        if before is not None and after is not None:
+            out.append(after - before - sum(before < t <= after for t in ends) * step_alone)
+    return out
+
+
 def column(opts, label, slow=None, kill=False):
-    """One run: (label, summary, per-replica numbers)."""
+    """One run: the summary, with per-replica numbers. slow: k of the emulated second replica
+    (None: the fast one alone)."""
     replicas = 1 if slow is None else 2
     o = argparse.Namespace(**{**vars(opts), "replicas": replicas})
     py, here = sys.executable, os.path.abspath(__file__)
 
+    starts = []
+
     def replica(i):
-        if i == 1 and slow and slow != 1:
-            return [py, here, "--as-slow-replica", str(slow)], {}
+        if i == 1:
+            starts.append(i)  # the first start, then restarts
+            return [py, here, "--as-replica", str(slow), str(opts.seconds_per_token),
+                    "restart" if len(starts) > 1 else "start"], {}
         return [py, os.path.join(os.path.abspath(opts.code), "rollout.py")], {}
 
     kills = []
@@ -128,7 +197,11 @@ def column(opts, label, slow=None, kill=False):
         per[name] = {"share": sum(b["accepted"] for b in mine) / total,
                      "idle": max(0.0, 1 - gen / (t1 - t0)),
                      "rate": sum(b["accepted"] for b in mine) / gen if gen else 0.0}
-    s.update(label=label, per=per, kills=len([k for k in kills if t0 < k <= t1]),
+    if slow is None:  # the pace the emulated replicas are set against, and the step
+        opts.seconds_per_token = seconds_per_token(os.path.join(run_dir, "replica-0.log"), t0, t1)
+        opts.step_alone = s["step_s"]
+    kills = [k for k in kills if t0 < k <= t1]
+    s.update(label=label, per=per, kills=len(kills), stalls=stalls(run, kills, opts.step_alone),
              over_quota=run["stats"]["over_quota"])
     print(f"{label}: {s['step_s']:.3f} s/step (logs in {run_dir})", flush=True)
     return s
@@ -144,8 +217,10 @@ def print_table(rows, opts):
     def row(label, fmt):
         lines.append(f"{label:<30}" + "".join(f"{fmt(r):>14}" for r in rows))
 
+    fast = alone["per"]["replica-0"]["rate"]  # groups per generation second, on its own core
     for r in rows:
-        rate = sum(p["rate"] for p in r["per"].values())  # groups per second, all replicas
+        # the fast replica at its own best rate, the second one at the rate it had in the run
+        rate = fast + r["per"].get("replica-1", {}).get("rate", 0.0)
         r["bound"] = max(t_train, opts.groups / max(1e-9, rate))
     row("seconds per step", lambda r: f"{r['step_s']:.3f}")
     row("vs fast alone", lambda r: f"{alone['step_s'] / r['step_s']:.2f}x")
@@ -155,10 +230,14 @@ def print_table(rows, opts):
         row(f"{name} share", lambda r: f"{r['per'][name]['share']:.1%}" if name in r["per"]
             else "-")
         row(f"{name} idle", lambda r: f"{r['per'][name]['idle']:.1%}" if name in r["per"] else "-")
+    row("replica-1 k x slower (as run)", lambda r: f"{fast / r['per']['replica-1']['rate']:.1f}"
+        if r["per"].get("replica-1", {}).get("rate") else "-")
     row("groups dropped (stale+over)", lambda r: f"{r['dropped']}+{r['over_quota']}")
     row("bound s/step", lambda r: f"{r['bound']:.3f}")
     row("of bound", lambda r: f"{r['bound'] / r['step_s']:.0%}")
     row("kills in measured steps", lambda r: f"{r['kills']}")
+    row("stall per kill (s)", lambda r: f"{sum(r['stalls']) / len(r['stalls']):.2f}"
+        if r["stalls"] else "-")
     row("cost per kill (s)", lambda r: f"{(r['wall'] - equal['wall']) / r['kills']:.2f}"
         if r["kills"] and equal else "-")
     row("load average before/after", lambda r: f"{r['load'][0]}/{r['load'][1]}")
@@ -169,8 +248,9 @@ def print_table(rows, opts):
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] == "--as-slow-replica":
-        return slow_replica(float(sys.argv[2]), sys.argv[3:])
+    if len(sys.argv) > 4 and sys.argv[1] == "--as-replica":  # column(): the emulated replica
+        k, seconds, start = sys.argv[2:5]
+        return emulated_replica(float(k), float(seconds), start == "restart", sys.argv[5:])
     opts = parse_args()
     ba.fresh_out(opts)
     print(f"workload: {opts.model}, task {opts.task}, G={opts.num_generations}, B={opts.groups}, "

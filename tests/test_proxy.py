@@ -598,19 +598,155 @@ def test_a_dead_replicas_lease_is_lost_in_seconds_and_its_groups_made_by_the_oth
             made += n
         assert made == 4 and len(trainer.get_batch(4, timeout=0)["groups"]) == 4
         trainer.set_version(v + 1)
+    t0 = time.monotonic()
     held = r2.quota("r2", 2, 100, timeout=0)["groups"]  # r2 takes its lease, then dies (never posts)
     assert held > 0
     n = r1.quota("r1", 2, 100, timeout=0)["groups"]
     r1.post_rollouts(groups_for("r1", 2, n, "v2-a"))
     assert n == 4 - held
-    t0 = time.monotonic()
-    q = r1.quota("r1", 2, 100, timeout=30)  # r2's lease stops counting within its pace's 3x (2 s floor)
+    time.sleep(max(0.0, t0 + 0.3 - time.monotonic()))
+    q = r1.quota("r1", 2, 100, timeout=30)  # r2's lease stops counting at 1.5x its pace (0.5 s floor)
     waited = time.monotonic() - t0
-    assert q["groups"] == held and waited < 5.0, (q, waited)  # not --lease-timeout's 120 s
+    # not --lease-timeout's 120 s: r1's long poll wakes the moment r2's lease ends, 0.5 s after
+    # it began (not at the next look of a periodic one)
+    assert q["groups"] == held and waited < 0.75, (q, waited)
     r1.post_rollouts(groups_for("r1", 2, held, "v2-b"))
     assert len(trainer.get_batch(4, timeout=0)["groups"]) == 4
     late = r2.post_rollouts(groups_for("r2", 2, held, "v2-late"))  # it was only late: not over quota
     assert (late["accepted"], late["over_quota"]) == (held, 0)
+
+
+def test_an_honest_but_late_replica_loses_nothing_when_its_lease_was_taken_over(proxy):
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=2, groups_per_step=4)
+    trainer = ProxyClient(url, token=TOKEN)
+    r1 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r1"))
+    r2 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r2"))
+    trainer.set_version(0)
+    for i, (w, client) in enumerate([("r1", r1), ("r2", r2)] * 2):  # both measured
+        if n := client.quota(w, 0, 2, timeout=0)["groups"]:
+            client.post_rollouts(groups_for(w, 0, n, f"v0-{i}"))
+    trainer.get_batch(100, timeout=0)
+    trainer.set_version(1)  # nothing buffered: the quota asks for this step's 4 and the next one's
+    held = r2.quota("r2", 1, 2, timeout=0)["groups"]  # r2's lease, then r2 stalls past its end
+    made, t0 = 0, time.monotonic()
+    while made < 8:  # r1 makes 8 - held, then, once r2's lease stops counting, r2's share too
+        n = r1.quota("r1", 1, 100, timeout=5)["groups"]
+        assert n, (made, held)
+        r1.post_rollouts(groups_for("r1", 1, n, f"v1-{made}"))
+        made += n
+    assert held > 0 and time.monotonic() - t0 < 2.0
+    assert [g["worker"] for g in trainer.get_batch(4, timeout=0)["groups"]] == ["r1"] * 4
+    trainer.set_version(2)
+    late = r2.post_rollouts(groups_for("r2", 1, held, "late"))  # r2 was only late: within its lease
+    assert (late["accepted"], late["over_quota"], late["stale"]) == (held, 0, 0)
+    used = []
+    for v in (2, 3):  # the step after and the next: r2's groups are used while fresh
+        used += [g["group_id"] for g in trainer.get_batch(4, timeout=0)["groups"]]
+        trainer.set_version(v + 1)
+    assert {f"late-r2-{i}" for i in range(held)} <= set(used) and trainer.stats()["dropped_stale"] == 0
+
+
+def test_the_buffer_hands_out_the_oldest_adapter_first(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=3)
+    trainer, replica = ProxyClient(url), ProxyClient(url)
+    trainer.set_version(2)
+    replica.post_rollouts(groups_for("fast", 2, 2, "new") + groups_for("fast", 1, 1, "mid"))
+    replica.post_rollouts(groups_for("slow", 0, 2, "old"))  # arrives last, made with v0
+    batch = trainer.get_batch(3, timeout=0)["groups"]
+    assert [(g["worker"], g["policy_version"]) for g in batch] == [("slow", 0), ("slow", 0), ("fast", 1)]
+    trainer.set_version(3)  # the v0 groups would have been dropped here, had they waited behind v1, v2
+    assert len(trainer.get_batch(2, timeout=0)["groups"]) == 2 and trainer.stats()["dropped_stale"] == 0
+
+
+def test_a_new_replicas_lease_is_not_what_the_trainer_waits_for(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    # both new, one makes a step in 0.2 s, the other a group in 1.5 s: above max_staleness 0 the
+    # fast one makes what the trainer needs, the new one's groups (its pace unknown) come on top
+    for worker, pace in (("fast", 0.05), ("new", 1.5)):
+        threading.Thread(target=replica_loop, args=(url, worker, pace, stop), daemon=True).start()
+    try:
+        workers = []
+        for step in range(4):  # ~1 s: the new replica's first group is not in by then
+            workers += [g["worker"] for g in trainer.get_batch(4, timeout=30)["groups"]]
+            trainer.set_version(step + 1)
+    finally:
+        stop.set()
+    assert workers == ["fast"] * 16, workers
+
+
+def test_above_staleness_0_a_new_replica_among_others_is_given_one_group_to_measure_it(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, client = ProxyClient(url), ProxyClient(url)
+    trainer.set_version(0)
+    assert client.quota("first", 0, 100, timeout=0)["groups"] == 4  # alone: a whole step
+    assert client.quota("new", 0, 100, timeout=0)["groups"] == 1  # its speed unknown: one group
+    client.post_rollouts(groups_for("new", 0, 1, "measured"))
+    assert client.quota("new", 0, 100, timeout=0)["groups"] > 1  # measured: its share (here fast)
+
+
+def test_a_slow_replica_is_given_only_groups_that_arrive_in_time_to_be_used(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    # The fast replica makes a step in 0.4 s, the trainer waits for it. A group of the 5x slower
+    # one takes 0.5 s and arrives within the 2 steps max_staleness gives: used. One of the 15x
+    # slower one takes 1.5 s, almost 4 steps: it would be dropped as stale, so it is not asked for
+    # (but for a probe now and then).
+    paces = {"fast": 0.1, "slow": 0.5, "slowest": 1.5}
+    for worker, pace in paces.items():
+        threading.Thread(target=replica_loop, args=(url, worker, pace, stop), daemon=True).start()
+    try:
+        step, measured, before = 0, None, None
+        while before is None or step < before[0] + 16:
+            s = trainer.stats()  # from when all are measured (a first lease may be stale), and
+            # their groups of before are used or dropped (max_staleness + 1 steps later)
+            if measured is None and all(s["replicas"].get(w, {}).get("groups_per_s") for w in paces):
+                measured = step
+            if measured is not None and step == measured + 3:
+                before = step, s["workers"]
+            assert len(trainer.get_batch(4, timeout=30)["groups"]) == 4 and step < 60
+            time.sleep(0.05)  # the trainer's step
+            step += 1
+            trainer.set_version(step)
+        after = trainer.stats()["workers"]
+    finally:
+        stop.set()
+    made, stale = ({w: after[w][k] - before[1][w][k] for w in paces} for k in ("accepted", "dropped_stale"))
+    # the slowest loses only the probes that ask if it got faster (8 steps after its last
+    # group, then 16, ...): at most 2 in 16 steps
+    assert stale["fast"] == stale["slow"] == 0 and made["slow"] > 0, (made, stale)
+    assert stale["slowest"] == made["slowest"] <= 2, (made, stale)
+
+
+def test_a_replica_too_slow_to_be_leased_is_probed_and_leased_again_once_fast(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    threading.Thread(target=replica_loop, args=(url, "fast", 0.03, stop), daemon=True).start()
+    client, made, v = ProxyClient(url), collections.Counter(), 0
+
+    def hiccup():  # its first group takes 3 s (a cold start), then it is as fast as "fast"
+        nonlocal v
+        while not stop.is_set():
+            q = client.quota("hiccup", v, 100, timeout=1.0)
+            v = q["trainer_version"]
+            if q["groups"] and v is not None:
+                time.sleep(3.0 if not made else 0.03 * q["groups"])
+                client.post_rollouts(groups_for("hiccup", v, q["groups"], f"h{sum(made.values())}"))
+                made[q["why"] or "lease"] += 1
+
+    try:
+        threading.Thread(target=hiccup, daemon=True).start()
+        for step in range(60):  # ~0.1 s a step: 8 steps after its first group, a probe
+            assert len(trainer.get_batch(4, timeout=30)["groups"]) == 4
+            time.sleep(0.1)
+            trainer.set_version(step + 1)
+    finally:
+        stop.set()
+    # measured at 3 s a group it would never be leased again; a probe measures it at 0.03 s
+    assert made["a probe: one group, to measure this replica again"] >= 1 and made["lease"] > 2, made
 
 
 def test_done_ends_the_quota_long_polls(proxy):

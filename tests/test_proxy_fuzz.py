@@ -194,8 +194,8 @@ def test_600_hostile_requests_get_4xx_and_change_no_counter():
         assert {400, 401, 403, 404, 405, 409, 411, 413} <= set(statuses), statuses
         # and it still works: the valid body is accepted, then handed out
         assert client.post_rollouts(json.loads(valid_body)["groups"])["accepted"] == 1
-        assert requests.get(url + "/batch?groups=4", headers={"X-Proxy-Token": TOKEN}).json()["groups"][-1][
-            "group_id"] == "never-valid-here"
+        batch = requests.get(url + "/batch?groups=4", headers={"X-Proxy-Token": TOKEN}).json()["groups"]
+        assert "never-valid-here" in [g["group_id"] for g in batch]
     finally:
         server.shutdown()
         server.server_close()
