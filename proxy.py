@@ -164,7 +164,7 @@ class RolloutBuffer:
         works = {"num_generations": c["num_generations"] >= 2,
                  "groups_per_step": c["groups_per_step"] >= 1,
                  "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
-                 "max_new_tokens": c["max_new_tokens"] >= 1,
+                 "max_completion_length": c["max_completion_length"] >= 1,
                  "zero_variance": c["zero_variance"] in ("keep", "drop"),
                  "max_prompt_length": c["max_prompt_length"] >= 1,
                  "reward_range": -MAX_ABS < lo < hi < MAX_ABS}

@@ -334,8 +334,8 @@ def main(argv=None):
       help="seconds a whole request may take to arrive")
     a("--max-connections", type=int, default=256, help="open connections at most (503 above)")
     a("--lease-timeout", type=float, default=120.0,
-      help="most seconds a replica's lease counts as coming: 3x its measured pace (>= 2 s) once "
-           "it delivered, this until then")
+      help="most seconds a replica's lease counts as coming: 1.5x its measured pace (>= 0.5 s) "
+           "once it delivered, this until then")
     a("--linger", type=float, default=60.0,
       help="after /done, exit once replicas were told or after this many idle s")
     a("--token", default=os.environ.get("PROXY_TOKEN"),
