@@ -204,58 +204,24 @@ class RolloutBuffer:
         self.staleness = collections.Counter()
         self.unconfirmed, self.deliveries = {}, 0  # delivery id -> (groups, version): see take()
 
-    # ---- ALGO, 3. the buffer: replicas add groups, the trainer takes them, oldest first
+    # ---- ALGO, 3. the buffer: replicas add groups, the trainer takes them, oldest adapter first
 
     def add(self, groups, limited=False):
         """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't
         fit. `limited` (a replica's credential): new groups beyond the sender's lease are counted,
         dropped."""
-        if (size := sum(map(group_bytes, groups))) > self.max_bytes:
-            raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
-                           f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
+        self._fits(groups)  # 413: more than the whole buffer
         with self.cond:
             t = self.trainer_version
-            # a group from the future: no adapter of the trainer made it
-            ahead = next((g for g in groups if t is not None and g["policy_version"] > t), None)
-            if ahead:
-                v = ahead["policy_version"]
-                raise ApiError(f"policy_version {v} is ahead of the trainer's version {t}: is this "
-                               "replica reading another run's bucket?", 409)
-            new, dups, ids = [], [], set()
+            self._not_ahead(groups, t)  # 409: a group no adapter of the trainer made
             # a group_id seen before, or twice in this POST, is a retry: counted, not kept
-            for g in groups:
-                (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
-                ids.add(g["group_id"])
-            new, over = self._within_leases(new) if limited else (new, [])
+            new, dups, over = self._new(groups, limited)
             self.counts["received"] += len(groups)
-            fresh, flat = [g for g in new if self._usable(g)], []
-            # equal rewards carry no signal (DAPO's dynamic sampling)
-            if self.contract["zero_variance"] == "drop":
-                varied = [len({c["reward"] for c in g["completions"]}) > 1 for g in fresh]
-                self.recent_usable.extend(varied)
-                flat = [g for g, v in zip(fresh, varied) if not v]
-                fresh = [g for g, v in zip(fresh, varied) if v]
-            size = sum(map(group_bytes, fresh))
-            too_many = len(self.groups) + len(fresh) > self.max_groups
-            if too_many or self.nbytes + size > self.max_bytes:
-                self.counts["refused_full"] += len(groups)
-                mb, most_mb = self.nbytes / 2**20, self.max_bytes / 2**20
-                raise ApiError(f"buffer full ({len(self.groups)} groups of --max-groups "
-                               f"{self.max_groups}, {mb:.3g} MB of --max-buffer-mb "
-                               f"{most_mb:.3g}); retry in {RETRY_AFTER_S} s", 429,
-                               {"Retry-After": str(RETRY_AFTER_S)})
-            self.seen.update(g["group_id"] for g in new)
-            self.seen_order.extend(g["group_id"] for g in new)
-            while len(self.seen_order) > self.remember_ids:
-                self.seen.discard(self.seen_order.popleft())
-            self._count("accepted", new)
-            self._count("duplicates", dups)
-            self._count("over_quota", over)
-            self._count("dropped_stale", [g for g in new if not self._usable(g)])
-            self.counts["dropped_zero_variance"] += len(flat)
-            # a sender's lease shrinks as its groups arrive
-            for g in (g for g in new if g["worker"] in self.leases):
-                self._delivered(g["worker"])
+            fresh, flat = [g for g in new if self._usable(g)], []  # too stale: dropped
+            if self.contract["zero_variance"] == "drop":  # equal rewards: no signal (DAPO)
+                fresh, flat = self._varied(fresh)
+            size = self._room(fresh, len(groups))  # 429, nothing kept, when the buffer is full
+            self._remember(new, dups, over, flat)  # the ids, the counters, the senders' leases
             self._buffer(fresh)
             self.nbytes += size
             self.cond.notify_all()
@@ -324,17 +290,7 @@ class RolloutBuffer:
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end
         of the run."""
         with self.cond:
-            # the leases are bounded: drop the expired ones
-            if worker not in self.leases and len(self.leases) >= MAX_WORKERS:
-                now = time.monotonic()
-                self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
-                self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
-                self.probe_gap = {w: p for w, p in self.probe_gap.items() if w in self.leases}
-                self.delivered_at = {w: p for w, p in self.delivered_at.items() if w in self.leases}
-                if len(self.leases) >= MAX_WORKERS:
-                    raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one "
-                                   "expires (--lease-timeout)", 429,
-                                   {"Retry-After": str(RETRY_AFTER_S)})
+            self._bound_leases(worker)  # 429 when MAX_WORKERS other names hold one
             # A replica asks again once its last groups are out: its lease ends, but it asks.
             t0 = self.trainer_version
             until = time.monotonic() + timeout + self.lease_timeout
@@ -362,6 +318,9 @@ class RolloutBuffer:
             self.leases[worker] = Lease(n, self._expiry(worker, n, now), version, now, n)
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
+
+    # ---- SUPPORT: how many groups a lease holds (_quota: the step's need, the shares by
+    # measured pace, leases that expire), the buffer's bookkeeping, the end of the run
 
     def _quota(self, worker, version, most):
         """(groups, why) for a replica holding adapter `version`: how many groups to make now so
@@ -473,7 +432,77 @@ class RolloutBuffer:
             old = self.pace.get(worker, sample) if worker not in self.probe_gap else sample
             self.pace[worker], self.delivered_at[worker] = (old + sample) / 2, now
 
-    # ---- SUPPORT: the buffer's bookkeeping, the end of the run, counters
+    # the buffer's bookkeeping, the end of the run, counters
+
+    def _bound_leases(self, worker):
+        """The leases are bounded: a new name beyond MAX_WORKERS drops the expired ones, or 429."""
+        if worker in self.leases or len(self.leases) < MAX_WORKERS:
+            return
+        now = time.monotonic()
+        self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
+        self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
+        self.probe_gap = {w: p for w, p in self.probe_gap.items() if w in self.leases}
+        self.delivered_at = {w: p for w, p in self.delivered_at.items() if w in self.leases}
+        if len(self.leases) >= MAX_WORKERS:
+            raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one "
+                           "expires (--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
+
+    def _fits(self, groups):
+        if (size := sum(map(group_bytes, groups))) > self.max_bytes:
+            raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
+                           f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
+
+    def _not_ahead(self, groups, t):
+        ahead = next((g for g in groups if t is not None and g["policy_version"] > t), None)
+        if ahead:
+            v = ahead["policy_version"]
+            raise ApiError(f"policy_version {v} is ahead of the trainer's version {t}: is this "
+                           "replica reading another run's bucket?", 409)
+
+    def _new(self, groups, limited):
+        """(new, retries, over the sender's lease): a group_id seen before or twice in the POST
+        is a retry."""
+        new, dups, ids = [], [], set()
+        for g in groups:
+            (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
+            ids.add(g["group_id"])
+        new, over = self._within_leases(new) if limited else (new, [])
+        return new, dups, over
+
+    def _varied(self, fresh):
+        """(groups with unequal rewards, groups with equal ones): --zero-variance drop."""
+        varied = [len({c["reward"] for c in g["completions"]}) > 1 for g in fresh]
+        self.recent_usable.extend(varied)
+        return ([g for g, v in zip(fresh, varied) if v],
+                [g for g, v in zip(fresh, varied) if not v])
+
+    def _room(self, fresh, posted):
+        """The bytes `fresh` takes; 429 (the whole POST refused) when the buffer cannot hold it."""
+        size = sum(map(group_bytes, fresh))
+        too_many = len(self.groups) + len(fresh) > self.max_groups
+        if too_many or self.nbytes + size > self.max_bytes:
+            self.counts["refused_full"] += posted
+            mb, most_mb = self.nbytes / 2**20, self.max_bytes / 2**20
+            raise ApiError(f"buffer full ({len(self.groups)} groups of --max-groups "
+                           f"{self.max_groups}, {mb:.3g} MB of --max-buffer-mb "
+                           f"{most_mb:.3g}); retry in {RETRY_AFTER_S} s", 429,
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        return size
+
+    def _remember(self, new, dups, over, flat):
+        """Kept groups' ids (the last remember_ids), the counters, and each sender's lease, which
+        shrinks as its groups arrive."""
+        self.seen.update(g["group_id"] for g in new)
+        self.seen_order.extend(g["group_id"] for g in new)
+        while len(self.seen_order) > self.remember_ids:
+            self.seen.discard(self.seen_order.popleft())
+        self._count("accepted", new)
+        self._count("duplicates", dups)
+        self._count("over_quota", over)
+        self._count("dropped_stale", [g for g in new if not self._usable(g)])
+        self.counts["dropped_zero_variance"] += len(flat)
+        for g in (g for g in new if g["worker"] in self.leases):
+            self._delivered(g["worker"])
 
     def _usable(self, g):
         t = self.trainer_version

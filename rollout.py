@@ -89,15 +89,7 @@ class Replica:
             path = self.cache_dir.pull(self.bucket, latest, timeout=timeout)
         except sync.BucketError as e:
             # keep generating with the (verified) adapter in hand, look again on the next step
-            if self.version is None:
-                raise
-            serving = f"still serving v{self.version}: {e}"
-            if latest is None:  # LATEST unreadable: the bucket is down (not a mount's lag)
-                self.log(f"cannot check the bucket for a newer adapter, {serving}")
-            elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
-                self.log(f"adapter v{latest} is corrupt, {serving}")
-            self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
-            return
+            return self.keep_serving(latest, e)
         t1 = time.time()
         self.engine.load_adapter(latest, path)  # hot: no engine restart
         self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
@@ -162,9 +154,28 @@ class Replica:
                                      max_completion_length=args.max_completion_length,
                                      completions=completions))
         reply = self.client.post_rollouts(groups)
+        self.batches += 1
+        return self.log_batch(groups, reply, gen_s)
+
+
+    # the replica's logs, below the step: not needed to follow it
+
+    def keep_serving(self, latest, e):
+        """A refresh that failed (sync.BucketError e): keep the adapter in hand (with none in
+        hand: raise); each reason said once."""
+        if self.version is None:
+            raise e
+        serving = f"still serving v{self.version}: {e}"
+        if latest is None:  # LATEST unreadable: the bucket is down (not a mount's lag)
+            self.log(f"cannot check the bucket for a newer adapter, {serving}")
+        elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
+            self.log(f"adapter v{latest} is corrupt, {serving}")
+        self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
+
+    def log_batch(self, groups, reply, gen_s):
+        """One line per batch; returns what it says (the tests read it)."""
         rewards = [c["reward"] for g in groups for c in g["completions"]]
         n_tokens = sum(len(c["ids"]) for g in groups for c in g["completions"])
-        self.batches += 1
         accepted, stale = reply.get("accepted"), reply.get("stale")
         self.log(f"batch {self.batches} v{self.version} (trainer v{self.trainer_version}) "
                  f"{len(groups)} groups {len(groups) / gen_s:.2f} groups/s "

@@ -149,6 +149,9 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     return dest
 
 
+# ---- SUPPORT: the verified fetch (it waits out a mount's lag), the replica's cache of pulls
+# (AdapterCache), then the command line
+
 def _fetch_verified(b, prefix, timeout, what):
     """_try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed.
     CorruptAdapter when the last look found other bytes than the manifest's, else BucketError."""

@@ -159,7 +159,7 @@ def test_config_serves_the_contract_and_the_client_checks_given_flags(proxy):
     with pytest.raises(ProxyError, match="--max-completion-length 256 disagrees with the proxy's max_new_tokens 64"):
         client.contract(flags={"max_new_tokens": "--max-completion-length"}, max_new_tokens=256)
     for bad in [{"num_generations": 1}, {"groups_per_step": 0}, {"max_staleness": -1}, {"temperature": 0},
-                {"max_new_tokens": 0}, {"zero_variance": "maybe"}]:
+                {"max_completion_length": 0}, {"zero_variance": "maybe"}]:
         with pytest.raises(ConfigError, match="--" + next(iter(bad)).replace("_", "-")):
             serve(**bad)
     with pytest.raises(ConfigError, match="unknown settings"):
