@@ -137,17 +137,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     Returns (loss, stats) with stats a dict of python floats: ratio_mean, clip_low_frac,
     clip_high_frac, and kl when beta > 0 (masked means over completion tokens).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
-    if loss_type == "dr_grpo" and not max_completion_length:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length (the generation limit "
-                         "in tokens)")
-    if beta != 0.0 and ref_logprobs is None:
-        raise ValueError("beta > 0 needs ref_logprobs (log-probs with the adapter disabled)")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    if delta is not None and delta < 1 + epsilon_high:
-        raise ValueError(f"delta must be >= 1 + epsilon_high = {1 + epsilon_high} (TRL recommends "
-                         f"> 1 + epsilon), not {delta}: it caps the ratio above the clip range")
+    check_settings(loss_type, max_completion_length, beta, ref_logprobs, delta, epsilon_high)
     keep = mask.bool()  # (B, T)
     mask = mask.to(logprobs.dtype)  # (B, T)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)  # (B, 1)
@@ -222,7 +213,21 @@ def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
 
 
-# ---- SUPPORT: the logs' off-policy statistics and the finite check (not needed to follow a step)
+# ---- SUPPORT: the settings check, the logs' off-policy statistics and the finite check
+
+def check_settings(loss_type, max_completion_length, beta, ref_logprobs, delta, epsilon_high):
+    """policy_loss's settings that cannot work: a ValueError that says what to change."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
+    if loss_type == "dr_grpo" and not max_completion_length:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (the generation limit "
+                         "in tokens)")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs (log-probs with the adapter disabled)")
+    if delta is not None and delta < 1 + epsilon_high:
+        raise ValueError(f"delta must be >= 1 + epsilon_high = {1 + epsilon_high} (TRL recommends "
+                         f"> 1 + epsilon), not {delta}: it caps the ratio above the clip range")
+
 
 def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None):
     """How far the trained policy is from the sampler's on these tokens, per row (for the logs).
