@@ -198,8 +198,7 @@ class HFEngine:
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
         """n samples per prompt from softmax(logits / T), each with its tokens' log-probs. Each
-        prompt's KV cache is computed once (_prefill), then _decode (or _generate_plain) samples
-        its n rows."""
+        prompt's tokens are computed once, then _decode (or _generate_plain) samples its n rows."""
         per_call = max(1, self.batch_size // n)
         sample = self._decode if self.fast else self._generate_plain
         results = []
@@ -219,7 +218,7 @@ class HFEngine:
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
         """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
-        from _prefill (each prompt once, not n times), then one token per step through
+        from FastDecoder.prefill (each prompt token once, not n times), then one token per step through
         FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens,
         until every row has an EOS or max_new_tokens. temperature 0: greedy, the most likely token
         (as vLLM reads it; for greedy). Returns the new ids and their log-probs, both (P*n, T); no
@@ -227,11 +226,11 @@ class HFEngine:
         torch = self.torch
         P, W = ids.shape
         rows = P * n
-        cache, logits = self._prefill(ids, mask, L, 1, last=True)  # (P, h, W, d), (P, V)
-        logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
         start = mask.sum(-1, keepdim=True) - 1  # (P, 1) the last prompt token's position
         positions = start + torch.arange(max_new_tokens, device=ids.device)  # (P, T)
-        decoder = FastDecoder(self.model, cache, mask, positions.repeat_interleave(n, 0), n)
+        decoder = FastDecoder(self.model, mask, positions.repeat_interleave(n, 0), n)
+        logits = decoder.prefill(ids, mask, L)  # (P, V) at each prompt's last token
+        logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
         eos = torch.tensor(self.eos_ids, device=ids.device)  # (E,)
         new, logps = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # (rows,)
@@ -308,14 +307,12 @@ class HFEngine:
         mask = self.torch.tensor(mask, device=self.device)  # (P, W)
         return ids, mask, L
 
-    def _prefill(self, ids, mask, L, n, last=False):
+    def _prefill(self, ids, mask, L, n):
         """The KV cache of every prompt token but the last, each computed once (the common prefix
         for all prompts, then each one's rest) and repeated n times: num_return_sequences would
         copy each prompt n times. Given a cache one token short of input_ids, generate runs only
-        that last token and the new ones. last=True (n=1): the last token too, and returns
-        (cache, its logits (P, V))."""
-        cache, W = None, ids.shape[1]
-        end = W if last else W - 1
+        that last token and the new ones. (FastDecoder.prefill does the same in one pass.)"""
+        cache, end = None, ids.shape[1] - 1
         if L:
             cache = self.model(input_ids=ids[:1, :L], use_cache=True,
                                logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
@@ -326,8 +323,6 @@ class HFEngine:
                              position_ids=positions[:, L:end], past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
             cache = out.past_key_values  # (P, h, end, d) per layer
-            if last:
-                return cache, out.logits[:, -1]  # (P, V)
         if cache is not None and n > 1:
             # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences makes them
             cache.batch_repeat_interleave(n)
@@ -438,16 +433,16 @@ def linear_group(modules):
 
 
 class FastDecoder:
-    """One decode step of a llama-like decoder for P prompts x n rows at once, as the model's
-    forward computes it (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few
-    torch calls: the model's own weights used in place, q, k and v as one matmul, gate and up as
-    one; each prompt's KV cache (from the prefill) read once for its n rows, the new tokens'
-    cache preallocated; each LoRA as one x @ A and one addmm per group; the residual added inside
-    the matmul that ends each half (addmm)."""
+    """A llama-like decoder for P prompts x n rows at once, as the model's forward computes it
+    (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few torch calls: the model's
+    own weights used in place, q, k and v as one matmul, gate and up as one; each LoRA as one
+    x @ A and one addmm per group; the residual added inside the matmul that ends each half
+    (addmm). prefill: every distinct prompt token once, in one pass. step: one new token per row,
+    each prompt's cache read once for its n rows, the new tokens' cache preallocated."""
 
-    def __init__(self, model, cache, mask, positions, n):
-        """cache: the prompts' DynamicCache (P, h, W, d) per layer; mask (P, W) their columns (0 at
-        left padding); positions (P*n, T) the position of each step's token, rows prompt-major."""
+    def __init__(self, model, mask, positions, n):
+        """mask (P, W): the prompts' columns (0 at left padding); positions (P*n, T): the position
+        of each step's token, rows prompt-major."""
         import torch
         from peft import PeftModel
 
@@ -463,21 +458,22 @@ class FastDecoder:
         P, W = mask.shape
         T = positions.shape[1]
         K, d = self.kv_heads, self.head_dim
-        # each prompt's keys (transposed) and values, a batch of P*K: (P*K, d, W), (P*K, W, d)
-        self.prompt = [(layer.keys.view(P * K, W, d).transpose(1, 2), layer.values.view(P * K, W, d))
-                       for layer in cache.layers]
         weight = self.lm_head[0]
+        self.prompt = None  # per layer: each prompt's keys, transposed, and values (prefill)
         shape = (P, K, n, T, d)  # the new tokens' keys and values
         self.keys = [weight.new_empty(shape) for _ in self.layers]  # (P, K, n, T, d) each
         self.values = [weight.new_empty(shape) for _ in self.layers]
         # additive mask of the prompt columns: 0 where attended, -inf at left padding
         bias = torch.zeros((P, K, 1, W), dtype=weight.dtype, device=weight.device)
         self.bias = bias.masked_fill_(mask[:, None, None] == 0, -float("inf")).view(P * K, 1, W)
-        # the rotary cos/sin of every step's position; rotate_half(x) * sin (transformers'
-        # rotation) is x.roll(d/2) * sin with sin's first half negated
-        cos, sin = base.model.rotary_emb(weight, positions)  # (rows, T, d) each
-        half = d // 2
-        self.cos, self.sin = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        self.cos, self.sin = self.rotary(positions)  # (rows, T, d) each
+
+    def rotary(self, positions):
+        """The rotary cos and sin at positions (..., T): rotate_half(x) * sin (transformers'
+        rotation) is x.roll(d/2) * sin with sin's first half negated. (..., T, d) each."""
+        cos, sin = self.base.model.rotary_emb(self.lm_head[0], positions)
+        half = self.head_dim // 2
+        return cos, self.torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     @staticmethod
     def _plan(layer):
@@ -512,6 +508,77 @@ class FastDecoder:
             y.addmm_(F.linear(x, A), B_t)  # (rows, out) += (rows, k*r) @ (k*r, out)
         return y
 
+    def forward(self, tokens, cos, sin, attend):
+        """The layers on tokens (N,) with the rotary cos, sin (N, 1, d); attend(i, q, k, v), with
+        q (N, H, d) and k, v (N, K, d) rotated, returns layer i's attention output (N, H*d).
+        Returns the last hidden states, normed (N, D)."""
+        import torch.nn.functional as F
+
+        torch = self.torch
+        N, d, H, K = tokens.shape[0], self.head_dim, self.heads, self.kv_heads
+        h = self.base.model.embed_tokens(tokens)  # (N, D)
+        for i, plan in enumerate(self.layers):
+            (w1, eps1), (w2, eps2) = plan["norms"]
+            x = F.rms_norm(h, w1.shape, w1, eps1)  # (N, D)
+            qkv = self.project(x, plan["qkv"])  # (N, (H + 2K) * d): q, k, v side by side
+            qk = qkv[:, :(H + K) * d].view(N, H + K, d)  # (N, H+K, d) q's heads, then k's
+            if plan["qk_norms"]:
+                (wq, eq), (wk, ek) = plan["qk_norms"]
+                qk = torch.cat([F.rms_norm(qk[:, :H], wq.shape, wq, eq),
+                                F.rms_norm(qk[:, H:], wk.shape, wk, ek)], 1)
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (N, H+K, d) rotated
+            v = qkv[:, (H + K) * d:].view(N, K, d)  # (N, K, d)
+            out = attend(i, qk[:, :H], qk[:, H:], v)  # (N, H*d)
+            h = self.project(out, plan["o"], residual=h)  # (N, D)
+            x = F.rms_norm(h, w2.shape, w2, eps2)  # (N, D)
+            gate_up = self.project(x, plan["gate_up"])  # (N, 2F)
+            half = gate_up.shape[1] // 2  # F
+            act = plan["act"](gate_up[:, :half]).mul_(gate_up[:, half:])  # (N, F)
+            h = self.project(act, plan["down"], residual=h)  # (N, D)
+        w, eps = self.norm
+        return F.rms_norm(h, w.shape, w, eps)  # (N, D)
+
+    def prefill(self, ids, mask, L):
+        """Every distinct prompt token once, in one pass: the common prefix (its first L columns)
+        once, then each prompt's rest without its left padding, N tokens in all; each attends to
+        the prefix and to its own prompt's earlier tokens. Keeps each prompt's keys and values
+        (P, K, W, d) for step; returns the logits at each prompt's last token (P, V)."""
+        torch = self.torch
+        P, W = ids.shape
+        K, d = self.kv_heads, self.head_dim
+        real = mask != 0  # (P, W) the tokens computed: the prefix in row 0 only
+        real[1:, :L] = False
+        tokens = ids[real]  # (N,) row-major: the prefix, prompt 0's rest, prompt 1's rest, ...
+        positions = (mask.cumsum(-1) - 1)[real]  # (N,)
+        owner = torch.arange(P, device=ids.device)[:, None].expand(P, W)[real]  # (N,)
+        shared = positions < L  # (N,) a prefix token: every prompt's
+        seen = (shared[None, :] | (owner[:, None] == owner[None, :])) \
+            & (positions[None, :] <= positions[:, None])  # (N, N) query i sees key j
+        bias = torch.zeros(seen.shape, dtype=self.lm_head[0].dtype, device=ids.device)
+        bias.masked_fill_(~seen, -float("inf"))  # (N, N)
+        kept = []  # per layer: k, v (N, K, d)
+
+        def attend(i, q, k, v):  # causal attention within each prompt, over the prefix too
+            N, H, g = q.shape[0], self.heads, self.heads // K
+            kept.append((k, v))
+            q = q.reshape(N, K, g, d).permute(1, 2, 0, 3).reshape(K, g * N, d)  # (K, g*N, d)
+            scores = (q @ k.permute(1, 2, 0)).view(K, g, N, N) * self.layers[i]["scaling"]
+            probs = torch.softmax((scores + bias).float(), -1).to(q.dtype)  # (K, g, N, N)
+            out = probs.view(K, g * N, N) @ v.transpose(0, 1)  # (K, g*N, d)
+            return out.view(K, g, N, d).permute(2, 0, 1, 3).reshape(N, H * d)  # (N, H*d)
+
+        cos, sin = self.rotary(positions[None])  # (1, N, d) each
+        h = self.forward(tokens, cos[0, :, None], sin[0, :, None], attend)  # (N, D)
+        self.prompt = []
+        for k, v in kept:  # (N, K, d) each -> each prompt's columns (P*K, d, W), (P*K, W, d)
+            full = k.new_zeros(2, P, W, K, d)  # zeros at left padding (masked in step)
+            full[:, real] = torch.stack([k, v])
+            full[:, 1:, :L] = full[:, :1, :L]  # the prefix, computed once, in every prompt
+            keys, values = full.permute(0, 1, 3, 2, 4).reshape(2, P * K, W, d)
+            self.prompt.append((keys.transpose(1, 2), values))
+        last = real.sum(-1).cumsum(0) - 1  # (P,) each prompt's last token among the N
+        return self.project(h[last], self.lm_head)  # (P, V)
+
     def attend(self, i, q, c, scaling):
         """softmax(q K^T * scaling + mask) V for the rows' queries q (rows, H, d) over their
         prompt's columns and their c new ones (layer i); query head j*g + m reads key/value head
@@ -521,7 +588,7 @@ class FastDecoder:
         P, K, n, _, d = self.keys[i].shape
         W, g = values.shape[1], self.heads // K
         # (P*K, n*g, d): each prompt's columns once for its n rows, its n*g queries in one matmul
-        q = q.view(P, n, K, g, d).transpose(1, 2).reshape(P * K, n * g, d).mul_(scaling)
+        q = q.reshape(P, n, K, g, d).transpose(1, 2).reshape(P * K, n * g, d).mul_(scaling)
         s_prompt = torch.baddbmm(self.bias, q, keys_t)  # (P*K, n*g, W), -inf at left padding
         new_keys = self.keys[i][:, :, :, :c].reshape(P * K * n, c, d)  # a view: no copy
         s_new = q.view(P * K * n, g, d) @ new_keys.transpose(1, 2)  # (P*K*n, g, c)
@@ -534,35 +601,15 @@ class FastDecoder:
 
     def step(self, token, t):
         """Feed each row's new token t-1 (step t >= 1); the next position's logits (rows, V)."""
-        import torch.nn.functional as F
-
-        torch = self.torch
-        rows, d, H, K = token.shape[0], self.head_dim, self.heads, self.kv_heads
+        rows, K, d = token.shape[0], self.kv_heads, self.head_dim
         P, n = rows // self.n, self.n
-        cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (rows, 1, d)
-        h = self.base.model.embed_tokens(token)  # (rows, D)
-        for i, plan in enumerate(self.layers):
-            (w1, eps1), (w2, eps2) = plan["norms"]
-            x = F.rms_norm(h, w1.shape, w1, eps1)  # (rows, D)
-            qkv = self.project(x, plan["qkv"])  # (rows, (H + 2K) * d): q, k, v side by side
-            qk = qkv[:, :(H + K) * d].view(rows, H + K, d)  # (rows, H+K, d) q's heads, then k's
-            if plan["qk_norms"]:
-                (wq, eq), (wk, ek) = plan["qk_norms"]
-                qk = torch.cat([F.rms_norm(qk[:, :H], wq.shape, wq, eq),
-                                F.rms_norm(qk[:, H:], wk.shape, wk, ek)], 1)
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (rows, H+K, d) rotated
-            v = qkv[:, (H + K) * d:]  # (rows, K*d)
-            self.keys[i][:, :, :, t - 1] = qk[:, H:].view(P, n, K, d).transpose(1, 2)
-            self.values[i][:, :, :, t - 1] = v.view(P, n, K, d).transpose(1, 2)  # (P, K, n, d)
-            out = self.attend(i, qk[:, :H], t, plan["scaling"])  # (rows, H*d)
-            h = self.project(out, plan["o"], residual=h)  # (rows, D)
-            x = F.rms_norm(h, w2.shape, w2, eps2)  # (rows, D)
-            gate_up = self.project(x, plan["gate_up"])  # (rows, 2F)
-            half = gate_up.shape[1] // 2  # F
-            act = plan["act"](gate_up[:, :half]).mul_(gate_up[:, half:])  # (rows, F)
-            h = self.project(act, plan["down"], residual=h)  # (rows, D)
-        w, eps = self.norm
-        h = F.rms_norm(h, w.shape, w, eps)  # (rows, D)
+
+        def attend(i, q, k, v):  # the new key and value into the cache, then attention
+            self.keys[i][:, :, :, t - 1] = k.view(P, n, K, d).transpose(1, 2)  # (P, K, n, d)
+            self.values[i][:, :, :, t - 1] = v.view(P, n, K, d).transpose(1, 2)
+            return self.attend(i, q, t, self.layers[i]["scaling"])  # (rows, H*d)
+
+        h = self.forward(token, self.cos[:, t, None], self.sin[:, t, None], attend)  # (rows, D)
         return self.project(h, self.lm_head)  # (rows, V)
 
 
