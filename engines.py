@@ -13,11 +13,14 @@ Decisions:
 1. Log-probs are those of the distribution actually sampled from: temperature applied, top_k=0,
    top_p=1.0 (vLLM: logprobs_mode="processed_logprobs"; hf: log_softmax(logits / T)).
 2. A completion ends at and includes its first EOS ("stop"), else it ran out of tokens ("length").
-3. The hf engine samples with its own loop over the model's layers (HFEngine._decode): the
-   model's own modules and weights, a preallocated KV cache, LoRA as x @ A @ B. It computes what
-   transformers' generate computes (HFEngine._generate_plain, kept as the fallback for other
-   architectures and as the reference the tests and bench/bench_generate.py compare with), and
-   draws the same tokens seed for seed; its log-probs equal transformers + peft's within 1e-4.
+3. The hf engine samples with its own loop over the model's layers (HFEngine._decode,
+   FastDecoder): the model's own modules and weights (q/k/v and gate/up laid back to back at load,
+   join_projections, so that each group is one matmul), every distinct prompt token once in one
+   pass, a preallocated KV cache, LoRA as x @ A @ B. It computes what transformers' generate
+   computes (HFEngine._generate_plain, kept as the fallback for other architectures and as the
+   reference the tests and bench/bench_generate.py compare with), and draws the same tokens seed
+   for seed; its log-probs equal transformers + peft's within 1e-4. greedy runs the same loop
+   with argmax (the same texts as transformers' greedy generate).
 4. Only public APIs: the model's submodules (embed_tokens, layers, norm, rotary_emb, lm_head),
    peft's LoRA layers (base_layer, lora_A, lora_B, scaling) and DynamicCache.layers.
 torch is imported inside functions: rollout.py sets PYTORCH_NVML_BASED_CUDA_CHECK before it.
@@ -217,12 +220,12 @@ class HFEngine:
         return results
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
-        """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
-        from FastDecoder.prefill (each prompt token once, not n times), then one token per step through
-        FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens,
-        until every row has an EOS or max_new_tokens. temperature 0: greedy, the most likely token
-        (as vLLM reads it; for greedy). Returns the new ids and their log-probs, both (P*n, T); no
-        log-probs (None) when greedy."""
+        """What _generate_plain computes, by hand: the prompts' cache and their last token's
+        logits from FastDecoder.prefill (each prompt token once, not n times), then one token per
+        step through FastDecoder.step (each prompt's cache read once for its n rows), drawn by
+        draw_tokens, until every row has an EOS or max_new_tokens. temperature 0: greedy, the most
+        likely token (as vLLM reads it). Returns the new ids and their log-probs, both (P*n, T);
+        no log-probs (None) when greedy."""
         torch = self.torch
         P, W = ids.shape
         rows = P * n

@@ -103,8 +103,9 @@ def test_greedy_decode_loop_equals_transformers_greedy(tiny_model, adapter):
 
 
 def test_joined_projections_move_the_weights(tiny_model):
-    """join_projections lays q/k/v and gate/up back to back without a second copy: the model holds
-    as many parameter bytes as before, q, k and v share one storage, and its logits are unchanged."""
+    """join_projections lays q/k/v and gate/up back to back without a second copy: the model
+    holds as many parameter bytes as before, q, k and v share one storage, its logits are
+    unchanged."""
     from transformers import AutoModelForCausalLM
 
     def nbytes(model):  # each storage once
