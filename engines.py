@@ -543,43 +543,48 @@ class FastDecoder:
 
     def prefill(self, ids, mask, L):
         """Every distinct prompt token once, in one pass: the common prefix (its first L columns)
-        once, then each prompt's rest without its left padding, N tokens in all; each attends to
-        the prefix and to its own prompt's earlier tokens. Keeps each prompt's keys and values
+        once, then each prompt's rest without its left padding, N tokens in all through the
+        matmuls. In attention the prefix attends to itself (causal), each rest to the prefix and
+        to itself (causal, left-padded to R = W - L columns). Keeps each prompt's keys and values
         (P, K, W, d) for step; returns the logits at each prompt's last token (P, V)."""
         torch = self.torch
         P, W = ids.shape
-        K, d = self.kv_heads, self.head_dim
-        real = mask != 0  # (P, W) the tokens computed: the prefix in row 0 only
-        real[1:, :L] = False
-        tokens = ids[real]  # (N,) row-major: the prefix, prompt 0's rest, prompt 1's rest, ...
-        positions = (mask.cumsum(-1) - 1)[real]  # (N,)
-        owner = torch.arange(P, device=ids.device)[:, None].expand(P, W)[real]  # (N,)
-        shared = positions < L  # (N,) a prefix token: every prompt's
-        seen = (shared[None, :] | (owner[:, None] == owner[None, :])) \
-            & (positions[None, :] <= positions[:, None])  # (N, N) query i sees key j
-        bias = torch.zeros(seen.shape, dtype=self.lm_head[0].dtype, device=ids.device)
-        bias.masked_fill_(~seen, -float("inf"))  # (N, N)
-        kept = []  # per layer: k, v (N, K, d)
+        K, d, R = self.kv_heads, self.head_dim, W - L
+        real = mask[:, L:] != 0  # (P, R) the rests' tokens, left-padded
+        tokens = torch.cat([ids[0, :L], ids[:, L:][real]])  # (N,) the prefix, then each rest
+        positions = (mask.cumsum(-1) - 1)[:, L:]  # (P, R)
+        positions = torch.cat([torch.arange(L, device=ids.device), positions[real]])  # (N,)
+        dtype, device = self.lm_head[0].dtype, ids.device
+        causal = torch.ones(W, W, dtype=torch.bool, device=device).tril()  # (W, W)
+        prefix_bias = torch.zeros(L, L, dtype=dtype, device=device).masked_fill_(
+            ~causal[:L, :L], -float("inf"))  # (L, L)
+        # a rest's token sees the prefix, and its prompt's real tokens up to itself; a padding
+        # row sees itself (no row all -inf), and is dropped
+        seen = causal[L:] & torch.cat([real.new_ones(P, L), real], 1)[:, None]  # (P, R, W)
+        r = torch.arange(R, device=device)
+        seen[:, r, L + r] = True
+        rest_bias = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+            ~seen, -float("inf"))[:, None, None]  # (P, 1, 1, R, W)
+        self.prompt = []
 
-        def attend(i, q, k, v):  # causal attention within each prompt, over the prefix too
-            N, H, g = q.shape[0], self.heads, self.heads // K
-            kept.append((k, v))
-            q = q.reshape(N, K, g, d).permute(1, 2, 0, 3).reshape(K, g * N, d)  # (K, g*N, d)
-            scores = (q @ k.permute(1, 2, 0)).view(K, g, N, N) * self.layers[i]["scaling"]
-            probs = torch.softmax((scores + bias).float(), -1).to(q.dtype)  # (K, g, N, N)
-            out = probs.view(K, g * N, N) @ v.transpose(0, 1)  # (K, g*N, d)
-            return out.view(K, g, N, d).permute(2, 0, 1, 3).reshape(N, H * d)  # (N, H*d)
+        def attend(i, q, k, v):  # q (N, H, d), k and v (N, K, d)
+            scaling = self.layers[i]["scaling"]
+            out = q.new_empty(q.shape[0], q.shape[1] * d)  # (N, H*d)
+            keys, values = k.new_zeros(2, P, W, K, d).unbind()  # zeros at left padding
+            keys[:, :L], values[:, :L] = k[:L], v[:L]  # the prefix, in every prompt
+            keys[:, L:][real], values[:, L:][real] = k[L:], v[L:]
+            if L:
+                out[:L] = gqa(q[None, :L], k[None, :L], v[None, :L], prefix_bias, scaling)[0]
+            q_rest = q.new_zeros(P, R, *q.shape[1:])  # (P, R, H, d)
+            q_rest[real] = q[L:]
+            out[L:] = gqa(q_rest, keys, values, rest_bias, scaling)[real]  # (N - L, H*d)
+            keys, values = (x.transpose(1, 2).reshape(P * K, W, d) for x in (keys, values))
+            self.prompt.append((keys.transpose(1, 2), values))  # (P*K, d, W), (P*K, W, d)
+            return out
 
         cos, sin = self.rotary(positions[None])  # (1, N, d) each
         h = self.forward(tokens, cos[0, :, None], sin[0, :, None], attend)  # (N, D)
-        self.prompt = []
-        for k, v in kept:  # (N, K, d) each -> each prompt's columns (P*K, d, W), (P*K, W, d)
-            full = k.new_zeros(2, P, W, K, d)  # zeros at left padding (masked in step)
-            full[:, real] = torch.stack([k, v])
-            full[:, 1:, :L] = full[:, :1, :L]  # the prefix, computed once, in every prompt
-            keys, values = full.permute(0, 1, 3, 2, 4).reshape(2, P * K, W, d)
-            self.prompt.append((keys.transpose(1, 2), values))
-        last = real.sum(-1).cumsum(0) - 1  # (P,) each prompt's last token among the N
+        last = L + real.sum(-1).cumsum(0) - 1  # (P,) each prompt's last token among the N
         return self.project(h[last], self.lm_head)  # (P, V)
 
     def attend(self, i, q, c, scaling):
@@ -614,6 +619,23 @@ class FastDecoder:
 
         h = self.forward(token, self.cos[:, t, None], self.sin[:, t, None], attend)  # (rows, D)
         return self.project(h, self.lm_head)  # (rows, V)
+
+
+def gqa(q, k, v, bias, scaling):
+    """softmax(q k^T * scaling + bias) v, query head j*g + m reading key/value head j
+    (transformers' repeat_kv): q (B, M, H, d), k and v (B, S, K, d), bias broadcast to
+    (B, K, g, M, S). Returns (B, M, H*d)."""
+    import torch
+
+    B, M, H, d = q.shape
+    S, K = k.shape[1:3]
+    g = H // K
+    q = q.reshape(B, M, K, g, d).permute(0, 2, 3, 1, 4).reshape(B * K, g * M, d)
+    k_t = k.permute(0, 2, 3, 1).reshape(B * K, d, S)  # (B*K, d, S)
+    scores = (q @ k_t).view(B, K, g, M, S) * scaling  # (B, K, g, M, S)
+    probs = torch.softmax((scores + bias).float(), dim=-1).to(q.dtype)
+    out = probs.view(B * K, g * M, S) @ v.permute(0, 2, 1, 3).reshape(B * K, S, d)
+    return out.view(B, K, g, M, d).permute(0, 3, 1, 2, 4).reshape(B, M, H * d)
 
 
 def norm_args(norm):

@@ -58,12 +58,16 @@ def sample(engine, prompts, n, max_new_tokens, seed=5):
 
 def test_decode_loop_equals_generate_in_other_shapes(tiny_model, adapter):
     """The decode loop against the same engine with transformers' generate, seed for seed: 7 prompts
-    in calls of at most 2 prompts x G 3 (batch_size 6), G = 1, and 40 new tokens (some rows end with
-    an EOS, the call goes on for the others)."""
+    in calls of at most 2 prompts x G 3 (batch_size 6, the last call one prompt), G = 1, 40 new
+    tokens (some rows end with an EOS, the call goes on for the others), and prompts without a
+    common prefix."""
     engine = rollout.HFEngine(tiny_model, seed=0, batch_size=6)
     engine.load_adapter(1, adapter)
     prompts = arith_prompts(engine.tokenizer, 7)
-    for n, max_new_tokens in ((3, 12), (1, 12), (3, 40)):
+    unshared = [p[k:] for k, p in enumerate(prompts)]  # each starts elsewhere in the template
+    assert engine._pad(unshared[:2])[2] == 0
+    for n, max_new_tokens, prompts in ((3, 12, unshared), (3, 12, prompts), (1, 12, prompts),
+                                       (3, 40, prompts)):
         engine.fast = True
         fast = sample(engine, prompts, n, max_new_tokens)
         engine.fast = False
