@@ -13,11 +13,14 @@ Decisions:
 1. Log-probs are those of the distribution actually sampled from: temperature applied, top_k=0,
    top_p=1.0 (vLLM: logprobs_mode="processed_logprobs"; hf: log_softmax(logits / T)).
 2. A completion ends at and includes its first EOS ("stop"), else it ran out of tokens ("length").
-3. The hf engine samples with its own loop over the model's layers (HFEngine._decode): the
-   model's own modules and weights, a preallocated KV cache, LoRA as x @ A @ B. It computes what
-   transformers' generate computes (HFEngine._generate_plain, kept as the fallback for other
-   architectures and as the reference the tests and bench/bench_generate.py compare with), and
-   draws the same tokens seed for seed; its log-probs equal transformers + peft's within 1e-4.
+3. The hf engine samples with its own loop over the model's layers (HFEngine._decode,
+   FastDecoder): the model's own modules and weights (q/k/v and gate/up laid back to back at load,
+   join_projections, so that each group is one matmul), every distinct prompt token once in one
+   pass, a preallocated KV cache, LoRA as x @ A @ B. It computes what transformers' generate
+   computes (HFEngine._generate_plain, kept as the fallback for other architectures and as the
+   reference the tests and bench/bench_generate.py compare with), and draws the same tokens seed
+   for seed; its log-probs equal transformers + peft's within 1e-4. greedy runs the same loop
+   with argmax (the same texts as transformers' greedy generate).
 4. Only public APIs: the model's submodules (embed_tokens, layers, norm, rotary_emb, lm_head),
    peft's LoRA layers (base_layer, lora_A, lora_B, scaling) and DynamicCache.layers.
 torch is imported inside functions: rollout.py sets PYTORCH_NVML_BASED_CUDA_CHECK before it.
@@ -107,11 +110,15 @@ def draw_tokens(logits, temperature):
     import torch
     import torch.nn.functional as F
 
-    z = logits.float() / temperature  # (rows, V) a new tensor: logits stay as they are
-    rows, V = z.shape
-    top = z.amax(-1, keepdim=True)  # (rows, 1)
-    e = z.sub_(top).exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
-    blocks = F.pad(e, (0, -V % SAMPLER_BLOCK)).view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
+    logits = logits.float()  # (rows, V) no copy in fp32
+    rows, V = logits.shape
+    top = logits.amax(-1, keepdim=True)  # (rows, 1) the largest logit; of logits / T: top / T
+    z = logits - top  # (rows, V) a new tensor: logits stay as they are
+    z = z if temperature == 1.0 else z.div_(temperature)  # (rows, V) (logits - top) / T
+    e = z.exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
+    if V % SAMPLER_BLOCK:
+        e = F.pad(e, (0, -V % SAMPLER_BLOCK))  # (rows, nb * S) zeros at the end
+    blocks = e.view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
     mass = blocks.sum(-1).double()  # (rows, nb)
     cdf = mass.cumsum(-1)  # (rows, nb)
     u = torch.rand(rows, 2, dtype=torch.float64, device=z.device)  # (rows, 2)
@@ -121,9 +128,9 @@ def draw_tokens(logits, temperature):
     inner = inside[:, 0].double().cumsum(-1)  # (rows, S)
     at = torch.searchsorted(inner, u[:, 1:] * inner[:, -1:], right=True)  # (rows, 1)
     picked = (block * SAMPLER_BLOCK + at.clamp(max=SAMPLER_BLOCK - 1)).squeeze(1)  # (rows,)
-    # log softmax(z)[picked] = z[picked] - top - log(sum of e)
-    z_picked = logits.gather(1, picked[:, None]).squeeze(1).float() / temperature  # (rows,)
-    logps = z_picked - top.squeeze(1) - mass.sum(-1).log().float()  # (rows,)
+    # log softmax(logits / T)[picked] = (logits[picked] - top) / T - log(sum of e)
+    z_picked = (logits.gather(1, picked[:, None]) - top).squeeze(1) / temperature  # (rows,)
+    logps = z_picked - mass.sum(-1).log().float()  # (rows,)
     return picked, logps
 
 
@@ -161,6 +168,8 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = self.model.to(self.device).eval()
+        if fast and self.model.config.model_type in FAST_MODEL_TYPES:
+            join_projections(self.model)  # q/k/v and gate/up each one tensor, for FastDecoder
         eos = self.model.generation_config.eos_token_id
         eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id}
         self.eos_ids = sorted(eos_ids - {None})
@@ -192,8 +201,7 @@ class HFEngine:
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
         """n samples per prompt from softmax(logits / T), each with its tokens' log-probs. Each
-        prompt's KV cache is computed once (_prefill), then _decode (or _generate_plain) samples
-        its n rows."""
+        prompt's tokens are computed once, then _decode (or _generate_plain) samples its n rows."""
         per_call = max(1, self.batch_size // n)
         sample = self._decode if self.fast else self._generate_plain
         results = []
@@ -212,33 +220,38 @@ class HFEngine:
         return results
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
-        """What _generate_plain computes, by hand: the prompts' cache and their last token's logits
-        from _prefill (each prompt once, not n times), then one token per step through
-        FastDecoder.step (each prompt's cache read once for its n rows), drawn by draw_tokens,
-        until every row has an EOS or max_new_tokens. Returns the new ids and their log-probs, both (P*n, T)."""
+        """What _generate_plain computes, by hand: the prompts' cache and their last token's
+        logits from FastDecoder.prefill (each prompt token once, not n times), then one token per
+        step through FastDecoder.step (each prompt's cache read once for its n rows), drawn by
+        draw_tokens, until every row has an EOS or max_new_tokens. temperature 0: greedy, the most
+        likely token (as vLLM reads it). Returns the new ids and their log-probs, both (P*n, T);
+        no log-probs (None) when greedy."""
         torch = self.torch
         P, W = ids.shape
         rows = P * n
-        cache, logits = self._prefill(ids, mask, L, 1, last=True)  # (P, h, W, d), (P, V)
-        logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
         start = mask.sum(-1, keepdim=True) - 1  # (P, 1) the last prompt token's position
         positions = start + torch.arange(max_new_tokens, device=ids.device)  # (P, T)
-        decoder = FastDecoder(self.model, cache, mask, positions.repeat_interleave(n, 0), n)
+        decoder = FastDecoder(self.model, mask, positions.repeat_interleave(n, 0), n)
+        logits = decoder.prefill(ids, mask, L)  # (P, V) at each prompt's last token
+        logits = logits.repeat_interleave(n, 0)  # (rows, V) the first token's, n rows per prompt
         eos = torch.tensor(self.eos_ids, device=ids.device)  # (E,)
         new, logps = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # (rows,)
         for t in range(max_new_tokens):
             if t:  # the last token in: the next position's logits (rows, V)
                 logits = decoder.step(token, t)
-            token, logp = draw_tokens(logits, temperature)  # (rows,), (rows,)
+            if temperature:
+                token, logp = draw_tokens(logits, temperature)  # (rows,), (rows,)
+                logps.append(logp)
+            else:  # greedy: the first of the largest logits, as generate's argmax
+                token = logits.argmax(-1)  # (rows,)
             # rows already finished get pad, as generate does (cut off later anyway)
             token = torch.where(done, self.pad_id, token)  # (rows,)
             new.append(token)
-            logps.append(logp)
             done |= torch.isin(token, eos)
             if bool(done.all()):
                 break
-        return torch.stack(new, 1), torch.stack(logps, 1)  # (rows, T), (rows, T)
+        return torch.stack(new, 1), torch.stack(logps, 1) if logps else None  # (rows, T) each
 
     def _generate_plain(self, ids, mask, L, n, max_new_tokens, temperature):
         """The same with transformers' generate: model.generate(ids, do_sample=True,
@@ -264,15 +277,22 @@ class HFEngine:
         return new, token_logps
 
     def greedy(self, prompt_ids_list, max_new_tokens):
+        """The most likely completion of each prompt (--eval): _decode at temperature 0, or
+        transformers' greedy generate (the same texts)."""
         texts = []
         for start in range(0, len(prompt_ids_list), self.batch_size):
             ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W)
-            with self.torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                          past_key_values=self._prefill(ids, mask, L, 1),
-                                          max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                                          pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
-            completions = [self._cut(row[ids.shape[1]:].tolist())[0] for row in out]
+            with self.torch.inference_mode():
+                if self.fast:
+                    new, _ = self._decode(ids, mask, L, 1, max_new_tokens, 0.0)  # (B, T)
+                else:
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=mask, do_sample=False,
+                        past_key_values=self._prefill(ids, mask, L, 1),
+                        max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                        pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
+                    new = out[:, ids.shape[1]:]  # (B, T)
+            completions = [self._cut(row)[0] for row in new.tolist()]
             texts += [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         return texts
 
@@ -290,14 +310,12 @@ class HFEngine:
         mask = self.torch.tensor(mask, device=self.device)  # (P, W)
         return ids, mask, L
 
-    def _prefill(self, ids, mask, L, n, last=False):
+    def _prefill(self, ids, mask, L, n):
         """The KV cache of every prompt token but the last, each computed once (the common prefix
         for all prompts, then each one's rest) and repeated n times: num_return_sequences would
         copy each prompt n times. Given a cache one token short of input_ids, generate runs only
-        that last token and the new ones. last=True (n=1): the last token too, and returns
-        (cache, its logits (P, V))."""
-        cache, W = None, ids.shape[1]
-        end = W if last else W - 1
+        that last token and the new ones. (FastDecoder.prefill does the same in one pass.)"""
+        cache, end = None, ids.shape[1] - 1
         if L:
             cache = self.model(input_ids=ids[:1, :L], use_cache=True,
                                logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
@@ -308,8 +326,6 @@ class HFEngine:
                              position_ids=positions[:, L:end], past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
             cache = out.past_key_values  # (P, h, end, d) per layer
-            if last:
-                return cache, out.logits[:, -1]  # (P, V)
         if cache is not None and n > 1:
             # (P*n, h, W-1, d): rows prompt-major, as num_return_sequences makes them
             cache.batch_repeat_interleave(n)
@@ -324,6 +340,41 @@ class HFEngine:
 
 # ---- the fast decode step: the model's own weights, a preallocated cache, LoRA as x @ A @ B
 
+def join_projections(model):
+    """Lay each layer's q, k and v weights (and biases) back to back in one tensor, and gate's and
+    up's: FastDecoder runs each group as one matmul (one 576 -> 960 map, not three). The model's
+    own Linear layers then hold views into these tensors: the weights are moved, not copied, and
+    transformers and peft use them as before."""
+    import torch
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+            for name in ("weight", "bias"):
+                tensors = [getattr(m, name) for m in group]
+                if any(t is None for t in tensors) or joined(tensors) is not None:
+                    continue
+                whole = torch.cat([t.detach() for t in tensors])  # (sum of outs, ...)
+                start = 0
+                for m, t in zip(group, tensors):
+                    part = whole[start: start + len(t)]  # a view: no copy stays behind
+                    setattr(m, name, torch.nn.Parameter(part, requires_grad=t.requires_grad))
+                    start += len(t)
+
+
+def joined(tensors):
+    """The tensors as one (sum of their lengths, ...) view if they lie back to back in one
+    storage (join_projections lays them so), else None."""
+    first = tensors[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset
+                or not t.is_contiguous() or t.shape[1:] != first.shape[1:]):
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(len(t) for t in tensors), *first.shape[1:]), first.stride())
+
+
 def fast_decode_support(model):
     """None if FastDecoder computes what this model's forward computes, else why not."""
     from peft import PeftModel
@@ -335,6 +386,11 @@ def fast_decode_support(model):
         return f"model_type {config.model_type} (the fast loop runs {FAST_MODEL_TYPES})"
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         return "sliding-window attention layers"
+    for layer in base.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+            if joined([lora_linear(m)[0] for m in group]) is None:
+                return "q/k/v or gate/up weights not back to back in one tensor (join_projections)"
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             if name.rsplit(".", 1)[-1] not in FAST_LORA_TARGETS:
@@ -358,17 +414,38 @@ def lora_linear(module):
             module.lora_B[name].weight, module.scaling[name])  # B: (out, r)
 
 
-class FastDecoder:
-    """One decode step of a llama-like decoder for P prompts x n rows at once, as the model's
-    forward computes it (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few
-    torch calls: the model's own weights used in place; each prompt's KV cache (from the prefill)
-    read once for its n rows, the new tokens' cache preallocated; each LoRA as one x @ A per input
-    (q, k and v share theirs, as do gate and up) and one addmm per output; the residual added
-    inside the matmul that ends each half (addmm)."""
+def linear_group(modules):
+    """The linear maps on one input as one: (weight.T, bias, A, B.T) with weight (sum of outs,
+    in) the joined base weights, A (k*r, in) the LoRAs' A stacked and B (sum of outs, k*r) their
+    B block-diagonal, scaled; A and B None without an adapter, bias None without biases. The LoRA
+    copies are small and made per call to generate, so a reloaded adapter is always the one used."""
+    import torch
 
-    def __init__(self, model, cache, mask, positions, n):
-        """cache: the prompts' DynamicCache (P, h, W, d) per layer; mask (P, W) their columns (0 at
-        left padding); positions (P*n, T) the position of each step's token, rows prompt-major."""
+    parts = [lora_linear(m) for m in modules]
+    weight = joined([p[0] for p in parts])  # (out, in) the model's own weights, no copy
+    biases = [p[1] for p in parts]
+    bias = None if biases[0] is None else joined(biases)
+    if bias is None and biases[0] is not None:  # biases on some maps only: a small copy
+        bias = torch.cat([b if b is not None else weight.new_zeros(len(w))
+                          for b, (w, *_) in zip(biases, parts)])
+    if parts[0][2] is None:
+        return weight.t(), bias, None, None
+    A = torch.cat([p[2] for p in parts])  # (k*r, in)
+    B = torch.block_diag(*[scaling * b for _, _, _, b, scaling in parts])  # (out, k*r)
+    return weight.t(), bias, A, B.t()
+
+
+class FastDecoder:
+    """A llama-like decoder for P prompts x n rows at once, as the model's forward computes it
+    (LlamaDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x))), in few torch calls: the model's
+    own weights used in place, q, k and v as one matmul, gate and up as one; each LoRA as one
+    x @ A and one addmm per group; the residual added inside the matmul that ends each half
+    (addmm). prefill: every distinct prompt token once, in one pass. step: one new token per row,
+    each prompt's cache read once for its n rows, the new tokens' cache preallocated."""
+
+    def __init__(self, model, mask, positions, n):
+        """mask (P, W): the prompts' columns (0 at left padding); positions (P*n, T): the position
+        of each step's token, rows prompt-major."""
         import torch
         from peft import PeftModel
 
@@ -379,40 +456,37 @@ class FastDecoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layers = [self._plan(layer) for layer in base.model.layers]
-        self.lm_head = lora_linear(base.lm_head)
-        self.head = {"lm_head": ([self.lm_head], self.lm_head[2])}  # a group of one, for project
+        self.lm_head = linear_group([base.lm_head])
         self.norm = norm_args(base.model.norm)
-        self.prompt = [(layer.keys, layer.values) for layer in cache.layers]  # (P, h, W, d) each
-        weight = self.lm_head[0]
         P, W = mask.shape
         T = positions.shape[1]
-        shape = (P, self.kv_heads, n, T, self.head_dim)  # the new tokens' keys and values
-        self.keys = [weight.new_empty(shape) for _ in self.layers]  # (P, h, n, T, d) each
+        K, d = self.kv_heads, self.head_dim
+        weight = self.lm_head[0]
+        self.prompt = None  # per layer: each prompt's keys, transposed, and values (prefill)
+        shape = (P, K, n, T, d)  # the new tokens' keys and values
+        self.keys = [weight.new_empty(shape) for _ in self.layers]  # (P, K, n, T, d) each
         self.values = [weight.new_empty(shape) for _ in self.layers]
         # additive mask of the prompt columns: 0 where attended, -inf at left padding
-        self.bias = torch.zeros((P, 1, 1, 1, W), dtype=torch.float32, device=weight.device)
-        self.bias.masked_fill_(mask[:, None, None, None] == 0, -float("inf"))  # (P, 1, 1, 1, W)
-        # the rotary cos/sin of every step's position; rotate_half(x) * sin (transformers'
-        # rotation) is x.roll(d/2) * sin with sin's first half negated
-        cos, sin = base.model.rotary_emb(weight, positions)  # (rows, T, d) each
+        bias = torch.zeros((P, K, 1, W), dtype=weight.dtype, device=weight.device)
+        self.bias = bias.masked_fill_(mask[:, None, None] == 0, -float("inf")).view(P * K, 1, W)
+        self.cos, self.sin = self.rotary(positions)  # (rows, T, d) each
+
+    def rotary(self, positions):
+        """The rotary cos and sin at positions (..., T): rotate_half(x) * sin (transformers'
+        rotation) is x.roll(d/2) * sin with sin's first half negated. (..., T, d) each."""
+        cos, sin = self.base.model.rotary_emb(self.lm_head[0], positions)
         half = self.head_dim // 2
-        self.cos, self.sin = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos, self.torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     @staticmethod
     def _plan(layer):
-        """Per layer: the linear maps, with A stacked for maps that share an input (a small copy,
-        made per call to generate, so that a reloaded adapter is always the one used), and the
-        RMSNorms' weights."""
-        import torch
-
+        """Per layer: the three linear groups and down_proj (linear_group), the RMSNorms'
+        weights, the activation and the attention's scaling."""
         attn, mlp = layer.self_attn, layer.mlp
-        groups = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
-                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
-        plan = {}
-        for key, modules in groups.items():
-            parts = [lora_linear(m) for m in modules]
-            A = None if parts[0][2] is None else torch.cat([p[2] for p in parts])  # (k*r, in)
-            plan[key] = (parts, A)
+        plan = {"qkv": linear_group([attn.q_proj, attn.k_proj, attn.v_proj]),
+                "o": linear_group([attn.o_proj]),
+                "gate_up": linear_group([mlp.gate_proj, mlp.up_proj]),
+                "down": linear_group([mlp.down_proj])}
         plan["norms"] = (norm_args(layer.input_layernorm),
                          norm_args(layer.post_attention_layernorm))
         # qwen3: an RMSNorm per head on q and k, before the rotation
@@ -421,76 +495,147 @@ class FastDecoder:
         plan["act"], plan["scaling"] = mlp.act_fn, attn.scaling
         return plan
 
+    def project(self, x, group, residual=None):
+        """The group's linear maps on x (rows, in) as one, LoRA included: residual + x @ W.T + bias
+        + (x @ A.T) @ (scaling * B).T, as peft's LoRA Linear computes each. (rows, sum of outs)"""
+        import torch.nn.functional as F
+
+        torch = self.torch
+        weight_t, bias, A, B_t = group
+        if residual is not None:
+            y = torch.addmm(residual, x, weight_t)  # (rows, out)
+            y = y if bias is None else y.add_(bias)
+        else:
+            y = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+        if A is not None:
+            y.addmm_(F.linear(x, A), B_t)  # (rows, out) += (rows, k*r) @ (k*r, out)
+        return y
+
+    def forward(self, tokens, cos, sin, attend):
+        """The layers on tokens (N,) with the rotary cos, sin (N, 1, d); attend(i, q, k, v), with
+        q (N, H, d) and k, v (N, K, d) rotated, returns layer i's attention output (N, H*d).
+        Returns the last hidden states, normed (N, D)."""
+        import torch.nn.functional as F
+
+        torch = self.torch
+        N, d, H, K = tokens.shape[0], self.head_dim, self.heads, self.kv_heads
+        h = self.base.model.embed_tokens(tokens)  # (N, D)
+        for i, plan in enumerate(self.layers):
+            (w1, eps1), (w2, eps2) = plan["norms"]
+            x = F.rms_norm(h, w1.shape, w1, eps1)  # (N, D)
+            qkv = self.project(x, plan["qkv"])  # (N, (H + 2K) * d): q, k, v side by side
+            qk = qkv[:, :(H + K) * d].view(N, H + K, d)  # (N, H+K, d) q's heads, then k's
+            if plan["qk_norms"]:
+                (wq, eq), (wk, ek) = plan["qk_norms"]
+                qk = torch.cat([F.rms_norm(qk[:, :H], wq.shape, wq, eq),
+                                F.rms_norm(qk[:, H:], wk.shape, wk, ek)], 1)
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # (N, H+K, d) rotated
+            v = qkv[:, (H + K) * d:].view(N, K, d)  # (N, K, d)
+            out = attend(i, qk[:, :H], qk[:, H:], v)  # (N, H*d)
+            h = self.project(out, plan["o"], residual=h)  # (N, D)
+            x = F.rms_norm(h, w2.shape, w2, eps2)  # (N, D)
+            gate_up = self.project(x, plan["gate_up"])  # (N, 2F)
+            half = gate_up.shape[1] // 2  # F
+            act = plan["act"](gate_up[:, :half]).mul_(gate_up[:, half:])  # (N, F)
+            h = self.project(act, plan["down"], residual=h)  # (N, D)
+        w, eps = self.norm
+        return F.rms_norm(h, w.shape, w, eps)  # (N, D)
+
+    def prefill(self, ids, mask, L):
+        """Every distinct prompt token once, in one pass: the common prefix (its first L columns)
+        once, then each prompt's rest without its left padding, N tokens in all through the
+        matmuls. In attention the prefix attends to itself (causal), each rest to the prefix and
+        to itself (causal, left-padded to R = W - L columns). Keeps each prompt's keys and values
+        (P, K, W, d) for step; returns the logits at each prompt's last token (P, V)."""
+        torch = self.torch
+        P, W = ids.shape
+        K, d, R = self.kv_heads, self.head_dim, W - L
+        real = mask[:, L:] != 0  # (P, R) the rests' tokens, left-padded
+        tokens = torch.cat([ids[0, :L], ids[:, L:][real]])  # (N,) the prefix, then each rest
+        positions = (mask.cumsum(-1) - 1)[:, L:]  # (P, R)
+        positions = torch.cat([torch.arange(L, device=ids.device), positions[real]])  # (N,)
+        dtype, device = self.lm_head[0].dtype, ids.device
+        causal = torch.ones(W, W, dtype=torch.bool, device=device).tril()  # (W, W)
+        prefix_bias = torch.zeros(L, L, dtype=dtype, device=device).masked_fill_(
+            ~causal[:L, :L], -float("inf"))  # (L, L)
+        # a rest's token sees the prefix, and its prompt's real tokens up to itself; a padding
+        # row sees itself (no row all -inf), and is dropped
+        seen = causal[L:] & torch.cat([real.new_ones(P, L), real], 1)[:, None]  # (P, R, W)
+        r = torch.arange(R, device=device)
+        seen[:, r, L + r] = True
+        rest_bias = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(
+            ~seen, -float("inf"))[:, None, None]  # (P, 1, 1, R, W)
+        self.prompt = []
+
+        def attend(i, q, k, v):  # q (N, H, d), k and v (N, K, d)
+            scaling = self.layers[i]["scaling"]
+            out = q.new_empty(q.shape[0], q.shape[1] * d)  # (N, H*d)
+            keys, values = k.new_zeros(2, P, W, K, d).unbind()  # zeros at left padding
+            keys[:, :L], values[:, :L] = k[:L], v[:L]  # the prefix, in every prompt
+            keys[:, L:][real], values[:, L:][real] = k[L:], v[L:]
+            if L:
+                out[:L] = gqa(q[None, :L], k[None, :L], v[None, :L], prefix_bias, scaling)[0]
+            q_rest = q.new_zeros(P, R, *q.shape[1:])  # (P, R, H, d)
+            q_rest[real] = q[L:]
+            out[L:] = gqa(q_rest, keys, values, rest_bias, scaling)[real]  # (N - L, H*d)
+            keys, values = (x.transpose(1, 2).reshape(P * K, W, d) for x in (keys, values))
+            self.prompt.append((keys.transpose(1, 2), values))  # (P*K, d, W), (P*K, W, d)
+            return out
+
+        cos, sin = self.rotary(positions[None])  # (1, N, d) each
+        h = self.forward(tokens, cos[0, :, None], sin[0, :, None], attend)  # (N, D)
+        last = L + real.sum(-1).cumsum(0) - 1  # (P,) each prompt's last token among the N
+        return self.project(h[last], self.lm_head)  # (P, V)
+
     def attend(self, i, q, c, scaling):
         """softmax(q K^T * scaling + mask) V for the rows' queries q (rows, H, d) over their
         prompt's columns and their c new ones (layer i); query head j*g + m reads key/value head
         j (transformers' repeat_kv). Returns (rows, H*d)."""
         torch = self.torch
-        keys, values = self.prompt[i]  # (P, K, W, d) each
-        P, K, W, d = keys.shape
-        n, g = self.n, self.heads // K
-        q = q.view(P, n, K, g, d).transpose(1, 2)  # (P, K, n, g, d)
-        # each prompt's columns once for its n rows: its n*g queries in one matmul
-        s_prompt = q.reshape(P, K, n * g, d) @ keys.transpose(-1, -2)  # (P, K, n*g, W)
-        s_new = q @ self.keys[i][:, :, :, :c].transpose(-1, -2)  # (P, K, n, g, c)
-        scores = torch.cat([s_prompt.view(P, K, n, g, W), s_new], -1)  # (P, K, n, g, W+c)
-        scores = scores.float() * scaling
-        scores[..., :W] += self.bias  # -inf at the prompts' left padding
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (P, K, n, g, W+c)
-        out = probs[..., :W].reshape(P, K, n * g, W) @ values  # (P, K, n*g, d)
-        out = out.view(P, K, n, g, d) + probs[..., W:] @ self.values[i][:, :, :, :c]
-        return out.transpose(1, 2).reshape(P * n, K * g * d)  # (rows, H*d), rows prompt-major
-
-    def project(self, x, key, plan, residual=None):
-        """Each linear map of a group on x (rows, in), LoRA included: residual + x @ W.T + bias
-        + scaling * (x @ A.T) @ B.T, as peft's LoRA Linear computes it."""
-        import torch.nn.functional as F
-
-        torch = self.torch
-        parts, A = plan[key]
-        xa = None if A is None else F.linear(x, A)  # (rows, k*r)
-        outs = []
-        for j, (weight, bias, a, B, scaling) in enumerate(parts):
-            if residual is None:
-                y = F.linear(x, weight, bias)  # (rows, out)
-            else:
-                y = torch.addmm(residual, x, weight.t())  # (rows, out)
-                y = y if bias is None else y + bias
-            if a is not None:
-                r = a.shape[0]
-                y.addmm_(xa[:, j * r: (j + 1) * r], B.t(), alpha=scaling)  # (rows, out)
-            outs.append(y)
-        return outs
+        keys_t, values = self.prompt[i]  # (P*K, d, W), (P*K, W, d)
+        P, K, n, _, d = self.keys[i].shape
+        W, g = values.shape[1], self.heads // K
+        # (P*K, n*g, d): each prompt's columns once for its n rows, its n*g queries in one matmul
+        q = q.reshape(P, n, K, g, d).transpose(1, 2).reshape(P * K, n * g, d).mul_(scaling)
+        s_prompt = torch.baddbmm(self.bias, q, keys_t)  # (P*K, n*g, W), -inf at left padding
+        new_keys = self.keys[i][:, :, :, :c].reshape(P * K * n, c, d)  # a view: no copy
+        s_new = q.view(P * K * n, g, d) @ new_keys.transpose(1, 2)  # (P*K*n, g, c)
+        scores = torch.cat([s_prompt.view(P, K, n, g, W), s_new.view(P, K, n, g, c)], -1)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (P, K, n, g, W+c)
+        out = probs[..., :W].reshape(P * K, n * g, W) @ values  # (P*K, n*g, d)
+        out = out.view(P * K * n, g, d).baddbmm_(
+            probs[..., W:].reshape(P * K * n, g, c), self.values[i][:, :, :, :c].reshape(-1, c, d))
+        return out.view(P, K, n, g, d).transpose(1, 2).reshape(P * n, K * g * d)  # (rows, H*d)
 
     def step(self, token, t):
         """Feed each row's new token t-1 (step t >= 1); the next position's logits (rows, V)."""
-        import torch.nn.functional as F
-
-        torch = self.torch
-        rows, d, H, K = token.shape[0], self.head_dim, self.heads, self.kv_heads
+        rows, K, d = token.shape[0], self.kv_heads, self.head_dim
         P, n = rows // self.n, self.n
-        cos, sin = self.cos[:, t, None], self.sin[:, t, None]  # (rows, 1, d)
-        h = self.base.model.embed_tokens(token)  # (rows, D)
-        for i, plan in enumerate(self.layers):
-            (w1, eps1), (w2, eps2) = plan["norms"]
-            x = F.rms_norm(h, w1.shape, w1, eps1)  # (rows, D)
-            q, k, v = self.project(x, "qkv", plan)
-            q, k = q.view(rows, H, d), k.view(rows, K, d)  # (rows, H, d), (rows, K, d)
-            if plan["qk_norms"]:
-                (wq, eq), (wk, ek) = plan["qk_norms"]
-                q, k = F.rms_norm(q, wq.shape, wq, eq), F.rms_norm(k, wk.shape, wk, ek)
-            q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)  # (rows, H, d) rotated
-            k = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)  # (rows, K, d) rotated
+
+        def attend(i, q, k, v):  # the new key and value into the cache, then attention
             self.keys[i][:, :, :, t - 1] = k.view(P, n, K, d).transpose(1, 2)  # (P, K, n, d)
             self.values[i][:, :, :, t - 1] = v.view(P, n, K, d).transpose(1, 2)
-            out = self.attend(i, q, t, plan["scaling"])  # (rows, H*d)
-            h = self.project(out, "o", plan, residual=h)[0]  # (rows, D)
-            x = F.rms_norm(h, w2.shape, w2, eps2)  # (rows, D)
-            gate, up = self.project(x, "gate_up", plan)  # (rows, F) each
-            h = self.project(plan["act"](gate) * up, "down", plan, residual=h)[0]  # (rows, D)
-        w, eps = self.norm
-        h = F.rms_norm(h, w.shape, w, eps)  # (rows, D)
-        return self.project(h, "lm_head", self.head)[0]  # (rows, V)
+            return self.attend(i, q, t, self.layers[i]["scaling"])  # (rows, H*d)
+
+        h = self.forward(token, self.cos[:, t, None], self.sin[:, t, None], attend)  # (rows, D)
+        return self.project(h, self.lm_head)  # (rows, V)
+
+
+def gqa(q, k, v, bias, scaling):
+    """softmax(q k^T * scaling + bias) v, query head j*g + m reading key/value head j
+    (transformers' repeat_kv): q (B, M, H, d), k and v (B, S, K, d), bias broadcast to
+    (B, K, g, M, S). Returns (B, M, H*d)."""
+    import torch
+
+    B, M, H, d = q.shape
+    S, K = k.shape[1:3]
+    g = H // K
+    q = q.reshape(B, M, K, g, d).permute(0, 2, 3, 1, 4).reshape(B * K, g * M, d)
+    k_t = k.permute(0, 2, 3, 1).reshape(B * K, d, S)  # (B*K, d, S)
+    scores = (q @ k_t).view(B, K, g, M, S) * scaling  # (B, K, g, M, S)
+    probs = torch.softmax((scores + bias).float(), dim=-1).to(q.dtype)
+    out = probs.view(B * K, g * M, S) @ v.permute(0, 2, 1, 3).reshape(B * K, S, d)
+    return out.view(B, K, g, M, d).permute(0, 3, 1, 2, 4).reshape(B, M, H * d)
 
 
 def norm_args(norm):

@@ -1,5 +1,6 @@
 """engines.py: the hf engine's sampler over a vocabulary of several blocks, its decode loop in more
-shapes than tests/test_rollout.py's (several calls per generate, G = 1, rows that stop early), the
+shapes than tests/test_rollout.py's (several calls per generate, G = 1, rows that stop early), its
+greedy against transformers' greedy generate, the joined q/k/v and gate/up weights (no copy), the
 fallback to transformers' generate, and bench/bench_generate.py run at a tiny size.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -s tests/test_engines.py
@@ -57,12 +58,16 @@ def sample(engine, prompts, n, max_new_tokens, seed=5):
 
 def test_decode_loop_equals_generate_in_other_shapes(tiny_model, adapter):
     """The decode loop against the same engine with transformers' generate, seed for seed: 7 prompts
-    in calls of at most 2 prompts x G 3 (batch_size 6), G = 1, and 40 new tokens (some rows end with
-    an EOS, the call goes on for the others)."""
+    in calls of at most 2 prompts x G 3 (batch_size 6, the last call one prompt), G = 1, 40 new
+    tokens (some rows end with an EOS, the call goes on for the others), and prompts without a
+    common prefix."""
     engine = rollout.HFEngine(tiny_model, seed=0, batch_size=6)
     engine.load_adapter(1, adapter)
     prompts = arith_prompts(engine.tokenizer, 7)
-    for n, max_new_tokens in ((3, 12), (1, 12), (3, 40)):
+    unshared = [p[k:] for k, p in enumerate(prompts)]  # each starts elsewhere in the template
+    assert engine._pad(unshared[:2])[2] == 0
+    for n, max_new_tokens, prompts in ((3, 12, unshared), (3, 12, prompts), (1, 12, prompts),
+                                       (3, 40, prompts)):
         engine.fast = True
         fast = sample(engine, prompts, n, max_new_tokens)
         engine.fast = False
@@ -75,6 +80,52 @@ def test_decode_loop_equals_generate_in_other_shapes(tiny_model, adapter):
         assert d < 1e-4
     reasons = {s.finish_reason for g in fast for s in g}
     assert reasons == {"stop", "length"}, reasons  # the 40-token case has both kinds of rows
+
+
+def test_greedy_decode_loop_equals_transformers_greedy(tiny_model, adapter):
+    """greedy (--eval) through the decode loop at temperature 0: the same texts as transformers'
+    greedy generate on each prompt left-padded whole, with the adapter, in calls of 3 prompts
+    (batch_size 3). (The tiny model's greedy paths run to the token limit; the loop's stop at
+    an EOS is checked by the sampling tests.)"""
+    engine = rollout.HFEngine(tiny_model, seed=0, batch_size=3)
+    engine.load_adapter(1, adapter)
+    assert engine.fast
+    prompts = arith_prompts(engine.tokenizer, 7)
+    texts = engine.greedy(prompts, 30)
+    W = max(map(len, prompts))
+    ids = torch.tensor([[engine.pad_id] * (W - len(p)) + p for p in prompts])  # (7, W)
+    mask = torch.tensor([[0] * (W - len(p)) + [1] * len(p) for p in prompts])  # (7, W)
+    with torch.no_grad():
+        out = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                    max_new_tokens=30, eos_token_id=engine.eos_ids,
+                                    pad_token_id=engine.pad_id, **engine.PLAIN)  # (7, W + 30)
+    cut = [engine._cut(row) for row in out[:, W:].tolist()]
+    assert texts == [engine.tokenizer.decode(c, skip_special_tokens=True) for c, _ in cut]
+    assert len(set(texts)) > 1
+    engine.fast = False
+    assert engine.greedy(prompts, 30) == texts  # transformers' generate after the shared prefill
+
+
+def test_joined_projections_move_the_weights(tiny_model):
+    """join_projections lays q/k/v and gate/up back to back without a second copy: the model
+    holds as many parameter bytes as before, q, k and v share one storage, its logits are
+    unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    def nbytes(model):  # each storage once
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in model.parameters()}.values())
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.arange(3, 40)[None]  # (1, 37)
+    with torch.no_grad():
+        before, size = model(ids).logits, nbytes(model)
+        engines.join_projections(model)
+        after = model(ids).logits
+    assert nbytes(model) == size
+    attn = model.model.layers[0].self_attn
+    assert engines.joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    assert torch.equal(before, after)
 
 
 def test_unsupported_lora_falls_back_to_generate(tiny_model, tmp_path):
