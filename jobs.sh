@@ -256,7 +256,8 @@ run_local() {
   trap 'echo; echo "[jobs] interrupted: stopping every process started"; exit 130' INT TERM
 
   banner "proxy on 127.0.0.1:$PROXY_PORT"
-  proxy_args 127.0.0.1 "$PROXY_PORT"; start proxy "$PY" "${ARGS[@]}"
+  proxy_args 127.0.0.1 "$PROXY_PORT"  # its final /stats: RUN/stats.json when it stops
+  start proxy "$PY" "${ARGS[@]}" --stats-file "$RUN/stats.json"
   local proxy_pid=$LAST_PID
   for _ in $(seq 100); do http_get "$url/healthz" "X-Probe: 1" && break; sleep 0.1; done
   running "$proxy_pid" || die "the proxy did not start, see $RUN/proxy.log:

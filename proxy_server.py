@@ -338,6 +338,7 @@ def main(argv=None):
            "once it delivered, this until then")
     a("--linger", type=float, default=60.0,
       help="after /done, exit once replicas were told or after this many idle s")
+    a("--stats-file", help="write the final /stats there (JSON) when the proxy stops")
     a("--token", default=os.environ.get("PROXY_TOKEN"),
       help="the trainer's token, sent as X-Proxy-Token (default: $PROXY_TOKEN)")
     a("--rollout-token", default=os.environ.get("ROLLOUT_TOKEN"),
@@ -352,7 +353,7 @@ def main(argv=None):
                      f"--rollout-token) and a worker name of 1 to {MAX_NAME} characters")
         print(replica_token(args["rollout_token"], worker))
         return
-    linger = args.pop("linger")
+    linger, stats_file = args.pop("linger"), args.pop("stats_file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
     try:
@@ -382,6 +383,10 @@ def main(argv=None):
     server.shutdown()
     server.server_close()
     log.info("proxy: stopped: %s", {k: v for k, v in buf.stats().items() if type(v) is int})
+    if stats_file:  # what the run ends with, also when it ended before anyone asked /stats
+        with open(stats_file + ".part", "w") as f:
+            json.dump(buf.stats(), f)
+        os.replace(stats_file + ".part", stats_file)
 
 
 
