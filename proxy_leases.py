@@ -1,0 +1,235 @@
+"""proxy_leases.py — RolloutBuffer's support (proxy.py): how many groups a lease holds, and the
+checks add() makes on a POST. Not needed to follow a GRPO step: RolloutBuffer.quota asks _quota
+for the number, and RolloutBuffer.add names each check in a comment beside its call. The rules in
+words: docs/protocol.md (the quota, shares by speed, leases that expire).
+
+    LeaseSizing  quota()'s arithmetic: the step's need (_quota), the shares by measured pace
+                 (_shares), which leases count as coming (_coming, _slower, _overtaken), when a
+                 lease expires (_expiry), a replica's pace from its deliveries (_delivered)
+    AddChecks    add()'s checks, in the order add() calls them: the size (_fits), a version ahead
+                 of the trainer (_not_ahead), retries and groups beyond a lease (_new,
+                 _within_leases), drop mode (_varied), room (_room), the bookkeeping (_remember)
+
+Both are mixins of RolloutBuffer (`class RolloutBuffer(LeaseSizing, AddChecks)`), never used
+alone: they read and write its state (contract, leases, pace, groups, counts, ...) under its lock
+(all but _fits, which reads max_bytes only) and call its methods (_usable, _count). This module
+does not import proxy.py, so proxy.py imports it at the top (and re-exports PROBE, SLOWER, ...).
+
+    python -m pytest tests/test_proxy.py -q
+"""
+
+import math
+import time
+
+from proxy_http import RETRY_AFTER_S, ApiError
+
+# a measured replica's lease counts as coming for LEASE_SLACK x the time its own pace says, at
+# least LEASE_FLOOR_S: a dead replica's groups go to the others half a lease after they were due
+LEASE_SLACK, LEASE_FLOOR_S = 1.5, 0.5
+# above max_staleness 0, a lease of a replica this much slower than the asker does not count as
+# coming: the asker makes those groups too (LeaseSizing._coming)
+SLOWER = 1.5
+# the `why` of a /quota answer of one group to a replica too slow to be leased: is it faster now?
+PROBE = "a probe: one group, to measure this replica again"
+
+
+def group_bytes(g):
+    """About the memory a buffered group holds (within ~10% by tracemalloc): ~70 bytes per sampled
+    token (an int and a float, with their list slots), 36 per prompt id, the text, ~700 per
+    completion."""
+    return (1000 + 36 * len(g["prompt_ids"]) + len(g["prompt"])
+            + sum(700 + 70 * len(c["ids"]) + len(c["text"]) for c in g["completions"]))
+
+
+class LeaseSizing:
+    """RolloutBuffer's lease sizing: how many groups /quota leases a replica. RolloutBuffer.quota
+    calls _quota, _probe_gap and _expiry; stats() calls _shares; add() calls _delivered (through
+    _remember)."""
+
+    def _quota(self, worker, version, most):
+        """(groups, why) for a replica holding adapter `version`: how many groups to make now so
+        that the trainer never waits and no group is older than it must be. The trainer at version
+        t takes B groups per step; groups made now with v are used at trainer versions up to v + S,
+        and are wanted only one step ahead (t + 1: the batch the trainer takes when its current step
+        ends). So the proxy asks for the groups of steps t .. min(v + S, t + 1), less those this
+        step already took, those buffered and those leased to other replicas. Each replica asking
+        gets at most its share of a step (_shares: by its measured speed); a lease counts as coming
+        until _expiry (its own pace). A replica the others do not wait for (_overtaken) gets only
+        the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
+        batch at v + S, the last that can use them: a slow replica's work is not dropped as stale,
+        but for a PROBE now and then (_probe_gap), in case it got faster."""
+        c, t, now = self.contract, self.trainer_version, time.monotonic()
+        S, B = c["max_staleness"], c["groups_per_step"]
+        if t is None:
+            return 0, "the trainer has not announced itself yet"
+        if version < t - S:
+            return 0, (f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load "
+                       "a newer adapter")
+        # the other replicas' live leases that will arrive in time: groups already coming
+        others = [lease.n for w, lease in self.leases.items()
+                  if self._coming(worker, w, lease, now)]
+        leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
+        lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
+        if lack <= 0:
+            return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
+                       f"buffered, {leased} leased to other replicas)")
+        # drop mode: only this share of the groups will be kept, so ask for more
+        if c["zero_variance"] == "drop" and self.recent_usable:
+            kept = sum(self.recent_usable) / len(self.recent_usable)
+            lack = math.ceil(lack / max(0.05, kept))
+        shares = self._shares(now, worker)
+        n = min(most, lack, max(1, round(B * shares[worker])))
+        if S > 0 and worker not in self.pace and len(shares) > 1:
+            n = 1  # a new replica among others: one group to measure it on, nobody waits for it
+        if self._overtaken(worker, now) and self.step_s and worker in self.pace:
+            # the trainer completes its batch at v + S about then (at its pace since set_version)
+            left = self.version_at + (version + S - t) * self.step_s + self.fill_s - now
+            if (n := min(n, int(left / (LEASE_SLACK * self.pace[worker])))) < 1:  # even if late
+                if now - self.delivered_at.get(worker, now) >= self._probe_gap(worker):
+                    return 1, PROBE
+                return 0, (f"at {self.pace[worker]:.3g} s per group, a group made with v{version} "
+                           f"would arrive after the trainer's v{version + S} took its last batch "
+                           f"(max_staleness {S}, {self.step_s:.3g} s per step): wait for the next")
+        return n, None
+
+    def _probe_gap(self, worker):
+        return self.probe_gap.get(worker, 8 * self.step_s)  # first: 8 of the trainer's steps
+
+    def _coming(self, worker, w, lease, now):
+        """Does replica w's lease count as coming when `worker` asks? Live, and (above
+        max_staleness 0) from a replica known to keep up with the asker: otherwise the asker makes
+        those groups as well, and w's arrive on top, used while fresh. So a slow or new replica's
+        share is never what the trainer waits for; at max_staleness 0 the step takes exactly B,
+        and every lease counts."""
+        return w != worker and lease.until > now and not self._slower(w, worker)
+
+    def _slower(self, w, than):
+        """Above max_staleness 0: is replica w not known to keep up with replica `than`, being
+        unmeasured or, measured, SLOWER x the pace of `than`?"""
+        theirs, mine = self.pace.get(w), self.pace.get(than)
+        return self.contract["max_staleness"] > 0 and (
+            theirs is None or (mine is not None and theirs > SLOWER * mine))
+
+    def _overtaken(self, worker, now):
+        """Does a live replica not count `worker`'s leases as coming (_coming)? Then the trainer
+        never waits for its groups: they are used only if they arrive in time."""
+        return any(self._slower(worker, w) for w, lease in self.leases.items()
+                   if w != worker and lease.until > now)
+
+    def _shares(self, now, asking=None):
+        """{worker: the fraction of a step it may make} for the replicas with live leases, from
+        their measured speed (groups per second). At max_staleness 0 the step waits for every
+        lease: a replica's speed over their sum, so that all finish together. Above, the trainer
+        waits for no lease in particular: the fastest replica takes a whole step (as a batching
+        engine likes it), the others the part their speed makes in the same time, so a slow one
+        holds back little. Unmeasured: one group to measure itself on once others are measured;
+        equal shares before."""
+        live = {w for w, lease in self.leases.items() if lease.until > now} | ({asking} - {None})
+        speed = {w: 1 / max(self.pace[w], 1e-6) for w in live if w in self.pace}
+        if not speed:
+            return dict.fromkeys(live, 1 / max(1, len(live)))  # the first rounds
+        unmeasured = len(live) - len(speed)
+        if self.contract["max_staleness"] == 0:
+            whole = sum(speed.values()) * (1 + unmeasured / len(speed))  # unmeasured: the mean
+        else:
+            whole = max(speed.values())
+        return {w: speed.get(w, 0.0) / whole for w in live}
+
+    def _expiry(self, worker, n, now):
+        """When a lease of n groups stops counting as coming: LEASE_SLACK x the time the replica's
+        own pace says n groups take, at least LEASE_FLOOR_S; --lease-timeout until its pace is
+        measured. A replica that is only late still delivers: its groups are within its lease
+        (_within_leases counts groups, not time), used while fresh."""
+        if worker not in self.pace or n == 0:
+            return now + self.lease_timeout
+        most = max(LEASE_FLOOR_S, LEASE_SLACK * n * self.pace[worker])
+        return now + min(self.lease_timeout, most)
+
+    def _delivered(self, worker):
+        """One group of `worker`'s lease arrived; its last one measures the replica's pace."""
+        lease = self.leases[worker]
+        lease.n -= 1
+        if lease.n == 0 and lease.given > 0:  # seconds per group, from the lease to its last group
+            now = time.monotonic()
+            sample = (now - lease.since) / lease.given
+            # a probe's measure replaces the one that stopped the leases
+            old = self.pace.get(worker, sample) if worker not in self.probe_gap else sample
+            self.pace[worker], self.delivered_at[worker] = (old + sample) / 2, now
+
+
+class AddChecks:
+    """RolloutBuffer.add's checks and bookkeeping: what a POST's groups are (too big, ahead of the
+    trainer, retries, beyond the sender's lease, all rewards equal), whether they fit, and what
+    is remembered of them."""
+
+    def _fits(self, groups):
+        if (size := sum(map(group_bytes, groups))) > self.max_bytes:
+            raise ApiError(f"these groups take {size / 2**20:.3g} MB, more than --max-buffer-mb "
+                           f"{self.max_bytes / 2**20:.3g}: send fewer per POST", 413)
+
+    def _not_ahead(self, groups, t):
+        ahead = next((g for g in groups if t is not None and g["policy_version"] > t), None)
+        if ahead:
+            v = ahead["policy_version"]
+            raise ApiError(f"policy_version {v} is ahead of the trainer's version {t}: is this "
+                           "replica reading another run's bucket?", 409)
+
+    def _new(self, groups, limited):
+        """(new, retries, over the sender's lease): a group_id seen before or twice in the POST
+        is a retry."""
+        new, dups, ids = [], [], set()
+        for g in groups:
+            (dups if g["group_id"] in self.seen or g["group_id"] in ids else new).append(g)
+            ids.add(g["group_id"])
+        new, over = self._within_leases(new) if limited else (new, [])
+        return new, dups, over
+
+    def _within_leases(self, new):
+        """(kept, over): a replica's new groups up to what /quota leased to it, in order; the rest
+        are over. A group older than the adapter its worker said it held at /quota is refused
+        (409)."""
+        left, kept, over = {}, [], []
+        for g in new:
+            w, v = g["worker"], g["policy_version"]
+            n, held = (lease.n, lease.version) if (lease := self.leases.get(w)) else (0, 0)
+            if v < held:
+                raise ApiError(f"policy_version {v} of group {g['group_id'][:80]!r} is older than "
+                               f"v{held}, the adapter {w[:80]!r} said it held at GET /quota", 409)
+            left[w] = left.get(w, n) - 1
+            (kept if left[w] >= 0 else over).append(g)
+        return kept, over
+
+    def _varied(self, fresh):
+        """(groups with unequal rewards, groups with equal ones): --zero-variance drop."""
+        varied = [len({c["reward"] for c in g["completions"]}) > 1 for g in fresh]
+        self.recent_usable.extend(varied)
+        return ([g for g, v in zip(fresh, varied) if v],
+                [g for g, v in zip(fresh, varied) if not v])
+
+    def _room(self, fresh, posted):
+        """The bytes `fresh` takes; 429 (the whole POST refused) when the buffer cannot hold it."""
+        size = sum(map(group_bytes, fresh))
+        too_many = len(self.groups) + len(fresh) > self.max_groups
+        if too_many or self.nbytes + size > self.max_bytes:
+            self.counts["refused_full"] += posted
+            mb, most_mb = self.nbytes / 2**20, self.max_bytes / 2**20
+            raise ApiError(f"buffer full ({len(self.groups)} groups of --max-groups "
+                           f"{self.max_groups}, {mb:.3g} MB of --max-buffer-mb "
+                           f"{most_mb:.3g}); retry in {RETRY_AFTER_S} s", 429,
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        return size
+
+    def _remember(self, new, dups, over, flat):
+        """Kept groups' ids (the last remember_ids), the counters, and each sender's lease, which
+        shrinks as its groups arrive."""
+        self.seen.update(g["group_id"] for g in new)
+        self.seen_order.extend(g["group_id"] for g in new)
+        while len(self.seen_order) > self.remember_ids:
+            self.seen.discard(self.seen_order.popleft())
+        self._count("accepted", new)
+        self._count("duplicates", dups)
+        self._count("over_quota", over)
+        self._count("dropped_stale", [g for g in new if not self._usable(g)])
+        self.counts["dropped_zero_variance"] += len(flat)
+        for g in (g for g in new if g["worker"] in self.leases):
+            self._delivered(g["worker"])
