@@ -78,11 +78,12 @@ def parse_args(argv=None):
 class Role:
     """One role as a subprocess; each line of its stdout + stderr kept with the time it arrived."""
 
-    def __init__(self, name, cmd, env, log_dir, cwd):
+    def __init__(self, name, cmd, env, log_dir, cwd, cpus=None):
         self.name, self.lines = name, []  # [(unix time, line)]
         self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None  # cpus: the cores it may use
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=cwd, bufsize=1)
+                                     cwd=cwd, bufsize=1, preexec_fn=pin)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -127,11 +128,13 @@ def role_env(extra=None):
             "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
 
-def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=(), replica=None, during=None):
+def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=(), replica=None, during=None,
+               trainer_cpus=None):
     """One run of proxy + replica + trainer; returns what the summaries need. own_pids: helper
     processes (an S3 server) whose CPU is not counted as other load. replica(i): (argv prefix, env)
     of replica i (default: rollout.py as it is); during(url, start_replica, replicas, trainer): in
-    a thread while the trainer runs (bench_pool.py kills and restarts replicas with it), with url."""
+    a thread while the trainer runs (bench_pool.py kills and restarts replicas with it), with url.
+    trainer_cpus: the cores the trainer is pinned to (default: any)."""
     os.makedirs(log_dir, exist_ok=True)
     py, code, port = sys.executable, os.path.abspath(opts.code), free_port()
     url, env, total = f"http://127.0.0.1:{port}", role_env(env), opts.warmup + opts.steps
@@ -161,7 +164,7 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=(), replica=
         trainer = Role("trainer", [py, f"{code}/trainer.py", "--model", opts.model, "--bucket", bucket, "--proxy", url,
                                    "--learning-rate", str(opts.learning_rate), "--lora-r", str(opts.lora_r),
                                    "--lora-alpha", str(2 * opts.lora_r), "--max-steps", str(total), "--save-every",
-                                   str(total), "--wait-timeout", "600"], env, log_dir, code)
+                                   str(total), "--wait-timeout", "600"], env, log_dir, code, trainer_cpus)
         roles.append(trainer)
         if during:
             threading.Thread(target=during, args=(url, start_replica, replicas, trainer), daemon=True).start()

@@ -36,3 +36,31 @@ def test_seconds_per_token_reads_the_replicas_batch_lines_in_the_window(tmp_path
                    + "2.5 [replica-0] adapter v1 loaded (pull 0.010s, load 0.020s)\n"
                    + line.format(t=3.0, i=3, tps=1000, gen=3.0))  # 3000 tokens in 3 s
     assert bench_pool.seconds_per_token(str(log), 1.5, 3.0) == 4.0 / 5000
+
+
+def test_paces_counts_each_generate_call_of_a_replica_and_its_restarts_in_the_window(tmp_path):
+    pace = "{t} [pace] real {real}s emulated {emulated}s\n"
+    (tmp_path / "replica-1.log").write_text(
+        pace.format(t=1.0, real=0.1, emulated=0.5)  # before the window
+        + pace.format(t=2.0, real=0.2, emulated=0.5)  # kept
+        + pace.format(t=2.5, real=0.7, emulated=0.5))  # its real work outran its emulated time
+    (tmp_path / "replica-1.1.log").write_text(pace.format(t=3.0, real=0.4, emulated=0.4))
+    (tmp_path / "replica-0.log").write_text(pace.format(t=2.0, real=0.9, emulated=0.5))
+    assert bench_pool.paces(str(tmp_path), "replica-1", 1.5, 3.0) == (2, 3)
+    assert bench_pool.paces(str(tmp_path), "replica-0", 1.5, 3.0) == (0, 1)
+
+
+def test_the_bound_is_the_trainer_or_the_pools_combined_rate_whichever_is_slower():
+    def run(step_s, rate0=None, rate1=None, t_train=0.5):
+        per = {"replica-0": {"rate": rate0 or 10.0}}
+        if rate1:
+            per["replica-1"] = {"rate": rate1}
+        return {"step_s": step_s, "T_train": t_train, "per": per}
+
+    # B = 8 groups; the fast one makes 10 groups/s alone: 0.8 s a step, the trainer 0.5 s
+    runs = [run(0.8), run(0.6, rate1=5.0), run(0.55, rate1=10.0)]
+    bench_pool.derive(runs, type("O", (), {"groups": 8})())
+    assert [round(r["bound"], 3) for r in runs] == [0.8, 0.533, 0.5]  # 8/10, 8/15, T_train
+    assert [round(r["vs_alone"], 3) for r in runs] == [1.0, 1.333, 1.455]
+    assert [round(r["of_bound"], 3) for r in runs] == [1.0, 0.889, 0.909]
+    assert [r["k_as_run"] for r in runs] == [None, 2.0, 1.0]
