@@ -43,16 +43,17 @@ def group_bytes(g):
 
 class LeaseSizing:
     """RolloutBuffer's lease sizing: how many groups /quota leases a replica. RolloutBuffer.quota
-    calls _quota, _probe_gap and _expiry; stats() calls _shares; add() calls _delivered (through
-    _remember)."""
+    calls _quota (with _ahead), _probe_gap and _expiry; stats() calls _shares; add() calls
+    _delivered (through _remember)."""
 
     def _quota(self, worker, version, most):
         """(groups, why) for a replica holding adapter `version`: how many groups to make now so
         that the trainer never waits and no group is older than it must be. The trainer at version
         t takes B groups per step; groups made now with v are used at trainer versions up to v + S,
-        and are wanted only one step ahead (t + 1: the batch the trainer takes when its current step
-        ends). So the proxy asks for the groups of steps t .. min(v + S, t + 1), less those this
-        step already took, those buffered and those leased to other replicas. Each replica asking
+        and are wanted one step ahead (t + 1: the batch the trainer takes when its current step
+        ends; more only for a pool whose leases outlast a trainer step, _ahead). So the proxy asks
+        for the groups of steps t .. min(v + S, t + ahead), less those this step already took,
+        those buffered and those leased to other replicas. Each replica asking
         gets at most its share of a step (_shares: by its measured speed); a lease counts as coming
         until _expiry (its own pace). A replica the others do not wait for (_overtaken) gets only
         the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
@@ -68,7 +69,8 @@ class LeaseSizing:
         # the other replicas' live leases that will arrive in time: groups already coming
         others = [lease.n for w, lease in self.leases.items()
                   if self._coming(worker, w, lease, now)]
-        leased, horizon = sum(n for n in others if n > 0), min(version + S, t + 1)
+        leased = sum(n for n in others if n > 0)
+        horizon = min(version + S, t + self._ahead(worker, 1 + len(others), now))
         lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
         if lack <= 0:
             return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
@@ -91,6 +93,20 @@ class LeaseSizing:
                            f"would arrive after the trainer's v{version + S} took its last batch "
                            f"(max_staleness {S}, {self.step_s:.3g} s per step): wait for the next")
         return n, None
+
+    def _ahead(self, worker, keeping, now):
+        """How many steps ahead of the trainer groups are wanted: one, so that they are as fresh
+        as can be; but when `keeping` replicas keep up with each other (the asker and those whose
+        leases count as coming) and a lease of the asker's share takes longer than the trainer's
+        own step (its pace less its wait for a batch), as many steps as that lease spans, at most
+        `keeping`: such replicas then work on different steps at once, not one after the other
+        while the trainer waits."""
+        if keeping < 2 or not self.step_s or worker not in self.pace:
+            return 1
+        B = self.contract["groups_per_step"]
+        lease_s = max(1, round(B * self._shares(now, worker)[worker])) * self.pace[worker]
+        train_s = max(self.step_s - self.fill_s, 1e-3)
+        return max(1, min(keeping, math.ceil(lease_s / train_s)))
 
     def _probe_gap(self, worker):
         return self.probe_gap.get(worker, 8 * self.step_s)  # first: 8 of the trainer's steps

@@ -108,6 +108,9 @@ def parse_args(argv=None):
     a("--skip-trl", action="store_true", help="reuse --out/seed-S/trl.json instead of running TRL")
     a("--skip-ours", action="store_true",
       help="reuse --out/seed-S/ours.json instead of running jobs.sh")
+    a("--ours", action="append", default=[], metavar="KEY=VALUE",
+      help="one of our own settings (" + ", ".join(OURS_ONLY) + ") other than jobs.sh's default, "
+           "e.g. --ours MAX_STALENESS=0 (with --skip-trl: against the TRL runs already in --out)")
     a("--check-update", type=int, default=0, metavar="N",
       help="only replay TRL's first N batches with trainer.py's update and compare the weights")
     a("--beta", type=float,
@@ -121,6 +124,9 @@ def parse_args(argv=None):
                 "(its first step is not timed)")
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds {args.seeds}: each seed once")
+    args.ours = dict(kv.partition("=")[::2] for kv in args.ours)
+    if not set(args.ours) <= set(OURS_ONLY) or not all(args.ours.values()):
+        p.error(f"--ours {args.ours}: KEY=VALUE with KEY one of {', '.join(OURS_ONLY)}")
     return args
 
 
@@ -563,6 +569,7 @@ def run_ours(a, settings, out):
     unset = SETTINGS + OURS_ONLY + ("BUCKET", "DATA", "ENGINE", "SAVE_EVERY", "TRAINER_ARGS",
                                     "ROLLOUT_ARGS", "PROXY_TOKEN")
     env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(a.ours)  # --ours: our own settings other than jobs.sh's defaults
     env.update(NAME=name, MODEL=a.model, STEPS=str(a.steps), SEED=settings["SEED"], EVAL_LIMIT="8",
                PROXY_PORT=str(free_port()))
     bucket = os.path.join(work, "checkpoints")
@@ -769,6 +776,7 @@ def main(argv=None):
     elif not model_ready(a.model):
         sys.exit(f"bench_vs_trl.py: error: --model {a.model} is not a model folder (config.json, model.safetensors)")
     log("settings of both sides (jobs.sh defaults): " + " ".join(f"{k}={settings[k]}" for k in SETTINGS))
+    settings.update(a.ours)
     log("ours only: " + " ".join(f"{k}={settings[k]}" for k in OURS_ONLY if k in settings))
     if a.check_update:
         a.trl_threads = a.trl_threads or 2

@@ -1403,3 +1403,30 @@ def test_the_completion_length_goes_by_max_completion_length_and_its_old_name(pr
                             (new, "groups[0].max_completion_length: missing")]:
         r = post(url, group)
         assert r.status_code == 400 and expected in r.json()["error"], r.text
+
+
+def test_equal_replicas_whose_whole_step_leases_outlast_the_trainers_step_work_on_two_steps_at_once(
+        proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=4)
+    trainer, stop = ProxyClient(url), threading.Event()
+    trainer.set_version(0)
+    for worker in ("a", "b"):  # each takes a whole step: 0.6 s a lease, against 0.3 s of training
+        threading.Thread(target=replica_loop, args=(url, worker, 0.15, stop), daemon=True).start()
+
+    def steps(first, last):
+        for step in range(first, last):
+            assert len(trainer.get_batch(4, timeout=30)["groups"]) == 4
+            time.sleep(0.3)  # the trainer's own step
+            trainer.set_version(step + 1)
+    try:
+        steps(0, 4)  # warm-up: both replicas and the trainer measured
+        t0 = time.monotonic()
+        steps(4, 12)
+        per_step = (time.monotonic() - t0) / 8
+        s = trainer.stats()
+    finally:
+        stop.set()
+    # one step ahead only, a replica waits for the trainer's next version before it may lease
+    # again: ~0.45 s a step; two steps ahead, the trainer's own 0.3 s
+    assert per_step < 0.38, (per_step, s["replicas"])
+    assert s["dropped_stale"] == 0 and s["over_quota"] == 0, s

@@ -126,3 +126,13 @@ def test_contention_sampler_summary_window():
     whole = sampler.summary()
     assert whole["samples"] >= 3 and 0 <= whole["mean"] <= whole["max"] <= (os.cpu_count() or 1) + 0.5
     assert sampler.summary(t0 + 100, t0 + 200) == {"mean": None, "max": None, "samples": 0}
+
+
+def test_ours_settings_other_than_jobs_defaults_are_checked_by_name():
+    import bench_vs_trl
+
+    assert bench_vs_trl.parse_args(["--ours", "MAX_STALENESS=0"]).ours == {"MAX_STALENESS": "0"}
+    assert bench_vs_trl.parse_args([]).ours == {}
+    for bad in ("LEARNING_RATE=1e-3", "MAX_STALENESS", "MAX_STALENESS="):  # a shared setting: both
+        with pytest.raises(SystemExit):
+            bench_vs_trl.parse_args(["--ours", bad])
