@@ -3,7 +3,7 @@ one + a replica k x slower (k = --slowdowns); the fast one + an equal one; the f
 one SIGKILLed mid-lease every --kill-every steps (and started again at once: a preempted machine
 coming back). bench_async.py's roles and measurements; the columns run --repeats times in turn.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_pool.py                  # tiny model: ~8 min
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_pool.py                  # tiny model: ~12 min
     .venv/bin/python bench/bench_pool.py --slowdowns 4 --steps 20 --kill-every 4 --repeats 1
 
 Two cores cannot host the trainer and two engines of different speed, so every replica emulates a
