@@ -705,7 +705,9 @@ def tables(runs, rows, verdict, target, n_problems):
         ("final held-out accuracy, ours", pct(v["median_ours_final"]),
          f"one accuracy's standard error {100 * se:.1f} points ({n_problems} problems)"),
         ("final adapters, only TRL / only ours right", f"{pooled['only_a']} / {pooled['only_b']}",
-         f"McNemar p {pooled['p']:.3f} (seeds x problems pooled)")]
+         f"McNemar p {pooled['p']:.3f} (seeds x problems pooled: these adapters)"),
+        ("final accuracy over runs, TRL's above ours", f"p {v['runs_trl_higher_p']:.2f}",
+         "exact rank-sum test, one-sided, runs as units (the two sides, not these adapters)")]
     summary_head = (f"median over {v['seeds']} seeds", "value",
                     "95% bootstrap interval over seeds / note")
     return markdown(head, per_seed), markdown(summary_head, summary)

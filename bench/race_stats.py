@@ -7,6 +7,7 @@ A checkpoint is {"step", "t", "accuracy", "correct"}: `t` is training seconds si
 (model loads included), `correct` one "0"/"1" per held-out problem, in the task's fixed order.
 """
 
+import itertools
 import math
 import os
 import random
@@ -90,11 +91,26 @@ def compare(trl, ours, target):
             "paired_final": mcnemar(last_trl["correct"], last_ours["correct"])}
 
 
+def rank_test(a, b):
+    """Exact one-sided rank-sum test (Mann-Whitney) of "a's values are larger than b's", over
+    every way to split the pooled values into groups of len(a) and len(b): the share of splits
+    whose rank sum for the first group is at least a's (ties: mean ranks). Runs, not problems,
+    are the units: it asks whether one side's runs end higher than the other's."""
+    pooled = sorted(a + b)
+    rank = {x: sum(i + 1 for i, y in enumerate(pooled) if y == x) / pooled.count(x) for x in pooled}
+    ranks, mine = [rank[x] for x in a + b], sum(rank[x] for x in a)
+    splits = list(itertools.combinations(ranks, len(a)))
+    return sum(sum(c) >= mine - 1e-9 for c in splits) / len(splits)
+
+
 def over_seeds(rows):
     """The race's verdict over seeds: the median ratio of times to the target with its bootstrap
-    interval, the median final accuracies, and McNemar's test pooled over seeds and problems."""
+    interval, the median final accuracies, McNemar's test pooled over seeds and problems (these
+    adapters), and the rank test over runs (the two sides)."""
     med, lo, hi = bootstrap_median([r["ratio"] for r in rows])
     return {"seeds": len(rows), "median_ratio": med, "ratio_interval": [lo, hi],
+            "runs_trl_higher_p": rank_test([r["trl_final"] for r in rows],
+                                           [r["ours_final"] for r in rows]),
             "median_trl_final": median([r["trl_final"] for r in rows]),
             "median_ours_final": median([r["ours_final"] for r in rows]),
             "pooled_paired_final": mcnemar_counts(sum(r["paired_final"]["only_a"] for r in rows),

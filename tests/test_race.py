@@ -136,3 +136,12 @@ def test_ours_settings_other_than_jobs_defaults_are_checked_by_name():
     for bad in ("LEARNING_RATE=1e-3", "MAX_STALENESS", "MAX_STALENESS="):  # a shared setting: both
         with pytest.raises(SystemExit):
             bench_vs_trl.parse_args(["--ours", bad])
+
+
+def test_the_rank_test_over_runs_counts_every_split_of_the_pooled_runs():
+    # TRL's runs rank 2nd, 5th and 6th of six: splits with a rank sum >= 13 are
+    # {4,5,6}, {3,5,6}, {2,5,6}, {3,4,6}: 4 of 20
+    assert rs.rank_test([0.647, 0.703, 0.742], [0.611, 0.652, 0.664]) == 4 / 20
+    assert rs.rank_test([0.9, 0.8, 0.7], [0.1, 0.2, 0.3]) == 1 / 20  # all above: the smallest p
+    assert rs.rank_test([0.1, 0.2], [0.8, 0.9]) == 1.0
+    assert rs.rank_test([0.5, 0.5], [0.5, 0.5]) == 1.0  # all tied: no evidence either way
