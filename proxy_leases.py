@@ -3,9 +3,10 @@ checks add() makes on a POST. Not needed to follow a GRPO step: RolloutBuffer.qu
 for the number, and RolloutBuffer.add names each check in a comment beside its call. The rules in
 words: docs/protocol.md (the quota, shares by speed, leases that expire).
 
-    LeaseSizing  quota()'s arithmetic: the step's need (_quota), the shares by measured pace
-                 (_shares), which leases count as coming (_coming, _slower, _overtaken), when a
-                 lease expires (_expiry), a replica's pace from its deliveries (_delivered)
+    LeaseSizing  quota()'s arithmetic: the step's need (_quota), how far ahead (_ahead), the
+                 shares by measured pace (_shares), which leases count as coming (_coming,
+                 _slower, _overtaken), when a lease expires (_expiry), a replica's pace from its
+                 deliveries (_delivered)
     AddChecks    add()'s checks, in the order add() calls them: the size (_fits), a version ahead
                  of the trainer (_not_ahead), retries and groups beyond a lease (_new,
                  _within_leases), drop mode (_varied), room (_room), the bookkeeping (_remember)
@@ -53,9 +54,9 @@ class LeaseSizing:
         and are wanted one step ahead (t + 1: the batch the trainer takes when its current step
         ends; more only for a pool whose leases outlast a trainer step, _ahead). So the proxy asks
         for the groups of steps t .. min(v + S, t + ahead), less those this step already took,
-        those buffered and those leased to other replicas. Each replica asking
-        gets at most its share of a step (_shares: by its measured speed); a lease counts as coming
-        until _expiry (its own pace). A replica the others do not wait for (_overtaken) gets only
+        those buffered and those leased to other replicas. Each replica asking gets at most its
+        share of a step (_shares: by its measured speed); a lease counts as coming until _expiry
+        (its own pace). A replica the others do not wait for (_overtaken) gets only
         the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
         batch at v + S, the last that can use them: a slow replica's work is not dropped as stale,
         but for a PROBE now and then (_probe_gap), in case it got faster."""

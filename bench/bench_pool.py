@@ -249,21 +249,21 @@ def column(opts, label, slow=None, kill=False, calibrate=False):
     return s
 
 
-def derive(runs, opts):
+def derive(runs, groups):
     """Per run of one repeat (runs[0]: the fast one alone): its pace against the fast-alone run's
-    and the bound."""
+    and the bound (groups: B, per trainer step)."""
     alone = runs[0]
     fast = alone["per"]["replica-0"]["rate"]  # groups per generation second, alone
     for r in runs:
         # the fast replica at its rate alone, the second one at the rate it had in the run
         rate = fast + r["per"].get("replica-1", {}).get("rate", 0.0)
-        r["bound"] = max(alone["T_train"], opts.groups / max(1e-9, rate))
+        r["bound"] = max(alone["T_train"], groups / max(1e-9, rate))
         r["vs_alone"], r["of_bound"] = alone["step_s"] / r["step_s"], r["bound"] / r["step_s"]
         r["k_as_run"] = fast / r["per"]["replica-1"]["rate"] \
             if r["per"].get("replica-1", {}).get("rate") else None
 
 
-def print_table(columns, opts):
+def print_table(columns):
     """columns: {label: [its run in each repeat]}."""
     med = statistics.median
     labels, alone = list(columns), columns[next(iter(columns))]
@@ -345,11 +345,11 @@ def main():
     columns = {label: [] for label, _, _ in plan}
     for rep in range(opts.repeats):
         runs = [column(opts, f"{label} {rep}", slow, kill) for label, slow, kill in plan]
-        derive(runs, opts)
+        derive(runs, opts.groups)
         for (label, _, _), r in zip(plan, runs):
             columns[label].append(r)
     print()
-    print_table(columns, opts)
+    print_table(columns)
     with open(os.path.join(opts.out, "summary.json"), "w") as f:
         json.dump({"seconds_per_token": opts.seconds_per_token, "columns": columns}, f, indent=1,
                   default=str)

@@ -59,7 +59,7 @@ def test_the_bound_is_the_trainer_or_the_pools_combined_rate_whichever_is_slower
 
     # B = 8 groups; the fast one makes 10 groups/s alone: 0.8 s a step, the trainer 0.5 s
     runs = [run(0.8), run(0.6, rate1=5.0), run(0.55, rate1=10.0)]
-    bench_pool.derive(runs, type("O", (), {"groups": 8})())
+    bench_pool.derive(runs, groups=8)
     assert [round(r["bound"], 3) for r in runs] == [0.8, 0.533, 0.5]  # 8/10, 8/15, T_train
     assert [round(r["vs_alone"], 3) for r in runs] == [1.0, 1.333, 1.455]
     assert [round(r["of_bound"], 3) for r in runs] == [1.0, 0.889, 0.909]

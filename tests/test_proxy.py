@@ -447,6 +447,11 @@ def test_unknown_paths_404_and_wrong_methods_405(proxy):
 
 # ---- the generation quota and the end of the run ---------------------------------------------
 
+def replica_client(url, worker):
+    """A ProxyClient holding a replica credential bound to `worker`."""
+    return ProxyClient(url, token=replica_token(REPLICA_TOKEN, worker))
+
+
 def groups_for(worker, version, n, tag):
     return [make_group(f"{tag}-{worker}-{i}", version, worker) for i in range(n)]
 
@@ -587,8 +592,8 @@ def test_a_dead_replicas_lease_is_lost_in_seconds_and_its_groups_made_by_the_oth
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=4,
                    lease_timeout=120.0)
     trainer = ProxyClient(url, token=TOKEN)
-    r1 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r1"))
-    r2 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r2"))
+    r1 = replica_client(url, "r1")
+    r2 = replica_client(url, "r2")
     trainer.set_version(0)
     for v in range(2):  # both replicas make (and are measured on) one synchronous step each
         made = 0
@@ -619,8 +624,8 @@ def test_a_dead_replicas_lease_is_lost_in_seconds_and_its_groups_made_by_the_oth
 def test_an_honest_but_late_replica_loses_nothing_when_its_lease_was_taken_over(proxy):
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=2, groups_per_step=4)
     trainer = ProxyClient(url, token=TOKEN)
-    r1 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r1"))
-    r2 = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "r2"))
+    r1 = replica_client(url, "r1")
+    r2 = replica_client(url, "r2")
     trainer.set_version(0)
     for i, (w, client) in enumerate([("r1", r1), ("r2", r2)] * 2):  # both measured
         if n := client.quota(w, 0, 2, timeout=0)["groups"]:
@@ -844,8 +849,8 @@ def test_cli_prints_a_replica_token_bound_to_a_worker():
 def test_the_quota_is_enforced_a_flood_cannot_fill_the_trainers_batch(proxy):
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=1, groups_per_step=4)
     trainer = ProxyClient(url, token=TOKEN)
-    honest = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "honest"))
-    flooder = ProxyClient(url, token=replica_token(REPLICA_TOKEN, "flood"))
+    honest = replica_client(url, "honest")
+    flooder = replica_client(url, "flood")
     trainer.set_version(0)
     r = flooder.post_rollouts(groups_for("flood", 0, 50, "unasked"))  # never asked /quota
     assert (r["accepted"], r["over_quota"]) == (0, 50)
