@@ -7,13 +7,15 @@
 A shape PxGxT is P arith prompts (chat-templated), G samples each, T new tokens at most: the
 default run (jobs.sh --local) asks for 4 groups of G=8 with 12 new tokens at temperature 1.0,
 and its replica runs on one thread. The adapter is a random LoRA (r --lora-r on all linear
-layers, B nonzero, so it is in effect). Three methods, each on the same prompts with the same
+layers, B nonzero, so it is in effect). Four methods, each on the same prompts with the same
 seed, all drawing with engines.draw_tokens, each timed --repeats times after one warm-up:
 
-  plain     transformers + peft model.generate on each prompt copied G times (what
-            num_return_sequences does), log-probs from output_logits
-  hf-plain  HFEngine.generate with fast=False: each prompt prefilled once, then model.generate
-  hf        HFEngine.generate: FastDecoder's one-pass prefill, then its decode loop (engines.py)
+  plain       transformers + peft model.generate on each prompt copied G times (what
+              num_return_sequences does), log-probs from output_logits
+  hf-plain    HFEngine.generate with fast=False: each prompt prefilled once, then model.generate
+  hf-unpacked HFEngine.generate with FastDecoder, its weights as they are (no engines.Packs)
+  hf          HFEngine.generate: FastDecoder's one-pass prefill, then its decode loop with the
+              base weights packed for MKL (engines.Packs) where torch has MKL
 
   tok/s     completion tokens (cut at EOS) / wall seconds, at the median
   wall s    wall-clock seconds per call: median [min-max] over the repeats
@@ -31,8 +33,9 @@ once), then rows = P*G tokens per step for the steps actually run but the first 
 the best of 5 trials (a stricter floor than the median); attention FLOPs are counted at the
 fastest linear rate. The LoRA's matmuls are not counted: the floor is
 the base model's. Also printed: the rates of the same products as W @ x.T (output transposed) and
-the floor over the best of both layouts, stricter where MKL runs W @ x.T faster (the "floor s"
-column stays F.linear's). Every method is checked against plain: the same ids seed for seed, the log-probs
+with the weights packed (engines.Packs), the floor over the best of the three layouts, stricter
+where MKL runs either faster, and each method's fraction of it (the "floor s" column stays
+F.linear's). Every method is checked against plain: the same ids seed for seed, the log-probs
 within 1e-4 ("exact" column).
 """
 
@@ -65,14 +68,15 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads (the replica runs on 1)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lora-r", type=int, default=16, help="the random adapter's rank (jobs.sh: 16)")
-    p.add_argument("--methods", default="plain,hf-plain,hf", help="comma-separated, of the three")
+    p.add_argument("--methods", default="plain,hf-plain,hf-unpacked,hf",
+                   help="comma-separated, of the four")
     args = p.parse_args(argv)
     for s in args.shapes:
         parts = s.split("x")
         if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
             p.error(f"--shapes {s}: expected PxGxT, e.g. 4x8x12")
-    if not set(args.methods.split(",")) <= {"plain", "hf-plain", "hf"}:
-        p.error(f"--methods {args.methods}: pick from plain, hf-plain, hf")
+    if not set(args.methods.split(",")) <= {"plain", "hf-plain", "hf-unpacked", "hf"}:
+        p.error(f"--methods {args.methods}: pick from plain, hf-plain, hf-unpacked, hf")
     return args
 
 
@@ -128,11 +132,16 @@ def work(config, prompt_lens, prefix, rows, steps):
     return mm, 4 * H * d * pairs * n_layers
 
 
-def linear_rate(rows, i, o, trials=5, min_s=0.05, columns=False):
+def linear_rate(rows, i, o, trials=5, min_s=0.05, layout="linear"):
     """FLOP/s of F.linear at (rows, i) x (o, i), in CPU time: the best of `trials`, each >= min_s
-    long. columns=True: the same product as w @ x.T (its output transposed, (o, rows))."""
+    long. layout "columns": the same product as w @ x.T (its output transposed, (o, rows));
+    "packed": with w packed for `rows` rows first (engines.Packs, MKL's packed sgemm)."""
     x, w = torch.randn(rows, i), torch.randn(o, i)
-    product = (lambda: w @ x.t()) if columns else (lambda: F.linear(x, w))
+    if layout == "packed":
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+        product = lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows)  # noqa: E731
+    else:
+        product = (lambda: w @ x.t()) if layout == "columns" else (lambda: F.linear(x, w))
     product()
     best = 0.0
     for _ in range(trials):
@@ -194,8 +203,12 @@ def run_method(engine, method, prompts, n, T, temperature, seed):
     torch.manual_seed(seed)
     if method == "plain":
         return plain_generate(engine, prompts, n, T, temperature)
-    engine.fast = method == "hf"
-    return engine.generate(prompts, n, T, temperature)
+    engine.fast = method in ("hf", "hf-unpacked")
+    engine.packs, packs = None if method == "hf-unpacked" else engine.packs, engine.packs
+    try:
+        return engine.generate(prompts, n, T, temperature)
+    finally:
+        engine.packs = packs
 
 
 def exact(groups, reference):
@@ -265,13 +278,17 @@ def bench(args, engine):
         decode = {(r, i, o): rates[(r, i, o)] for (r, i, o) in mm if r == P * n}
         print(f"{'':>8} fp32 rates at {P * n} rows, GFLOP/s: " + ", ".join(
             f"{i}->{o} {v / 1e9:.0f}" for (_, i, o), v in sorted(decode.items())))
-        # the same products as W @ x.T: where MKL runs them faster, a floor over the best of both
-        # would be stricter than the one above (which stays F.linear's)
-        columns = {k: linear_rate(*k, columns=True) for k in mm}
-        best = {k: max(rates[k], columns[k]) for k in mm}
-        print(f"{'':>8} the same as W @ x.T, GFLOP/s: " + ", ".join(
-            f"{i}->{o} {columns[(r, i, o)] / 1e9:.0f}" for (r, i, o) in sorted(decode)) +
-            f"; a floor over the best of both: {floor_seconds(mm, attn, best)[1]:.3f} s")
+        # the same products as W @ x.T, and with the weights packed (where MKL can): where either
+        # runs faster, a floor over the best of the three is stricter than F.linear's
+        best = dict(rates)
+        for layout in ("columns", "packed")[: 1 + (engine.packs is not None)]:
+            other = {k: linear_rate(*k, layout=layout) for k in mm}
+            best = {k: max(best[k], other[k]) for k in mm}
+            print(f"{'':>8} {layout}, GFLOP/s: " + ", ".join(
+                f"{i}->{o} {other[(r, i, o)] / 1e9:.0f}" for (r, i, o) in sorted(decode)))
+        strict = floor_seconds(mm, attn, best)[1]
+        print(f"{'':>8} a floor over the best of the layouts: {strict:.3f} s; of it (cpu): " +
+              ", ".join(f"{m} {strict / statistics.median(cpu[m]):.2f}" for m in methods))
         step_mm, _ = work(config, [1], 0, P * n, 2)  # one decode step's matmuls
         step_mm = {k: c for k, c in step_mm.items() if k[0] == P * n}
         step_floor = sum(2 * r * i * o * c / (rates.get((r, i, o)) or linear_rate(r, i, o))

@@ -1,7 +1,7 @@
 """engines.py: the hf engine's sampler over a vocabulary of several blocks, its decode loop in more
 shapes than tests/test_rollout.py's (several calls per generate, G = 1, rows that stop early), its
 greedy against transformers' greedy generate, the joined q/k/v and gate/up weights (no copy), the
-fallback to transformers' generate, and bench/bench_generate.py run at a tiny size.
+weights packed for MKL (the same samples as unpacked), the fallback to transformers' generate, and bench/bench_generate.py run at a tiny size.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -s tests/test_engines.py
 
@@ -106,6 +106,34 @@ def test_greedy_decode_loop_equals_transformers_greedy(tiny_model, adapter):
     assert engine.greedy(prompts, 30) == texts  # transformers' generate after the shared prefill
 
 
+@pytest.mark.skipif(not engines.Packs.usable("cpu", torch.float32), reason="torch without MKL")
+def test_packed_weights_sample_as_unpacked(tiny_model, adapter):
+    """The decode loop with its base weights packed for MKL (engines.Packs, the engine's default
+    on a CPU) draws the same tokens as without, seed for seed, log-probs within 1e-5; the weights
+    are packed once for a row count (the second call with it packs nothing) and again for
+    another."""
+    engine = rollout.HFEngine(tiny_model, seed=0)
+    engine.load_adapter(1, adapter)
+    packs = engine.packs
+    assert engine.fast and packs is not None
+    prompts = arith_prompts(engine.tokenizer, 4)
+    packed = sample(engine, prompts, 3, 12)
+    copies = dict(packs.packed)
+    layers = engine.model.get_base_model().config.num_hidden_layers
+    assert packs.rows == 4 * 3 and len(copies) == 4 * layers + 1  # q/k/v, o, gate/up, down; head
+    assert sample(engine, prompts, 3, 12, seed=6) and all(
+        packs.packed[k] is v for k, v in copies.items())  # packed once for 12 rows
+    engine.packs = None
+    unpacked = sample(engine, prompts, 3, 12)
+    assert [[s.ids for s in g] for g in packed] == [[s.ids for s in g] for g in unpacked]
+    d = max(abs(a - b) for g, h in zip(packed, unpacked) for s, t in zip(g, h)
+            for a, b in zip(s.logprobs, t.logprobs))
+    assert d < 1e-5
+    engine.packs = packs
+    sample(engine, prompts[:2], 3, 12)
+    assert packs.rows == 2 * 3 and not any(packs.packed.get(k) is v for k, v in copies.items())
+
+
 def test_joined_projections_move_the_weights(tiny_model):
     """join_projections lays q/k/v and gate/up back to back without a second copy: the model
     holds as many parameter bytes as before, q, k and v share one storage, its logits are
@@ -158,7 +186,7 @@ def test_bench_generate_runs(tiny_model):
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("   2x3x5")]
-    assert [r[1] for r in rows] == ["plain", "hf-plain", "hf"]
+    assert [r[1] for r in rows] == ["plain", "hf-plain", "hf-unpacked", "hf"]
     assert all("yes" in r for r in rows)  # the same ids and log-probs as plain generate
     assert all(float(r[r.index("/") - 1]) > 0 and float(r[r.index("/") + 1]) > 0 for r in rows)
     print(out.stdout)
