@@ -54,6 +54,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import engines  # noqa: E402
+import fast_decode  # noqa: E402
 from rollout import chat_prompt  # noqa: E402
 from tasks import load_task  # noqa: E402
 
@@ -232,7 +233,7 @@ def main(argv=None):
         engine.load_adapter(1, adapter)
         if not engine.fast:
             print(f"note: hf runs transformers' generate here: "
-                  f"{engines.fast_decode_support(engine.model)}")
+                  f"{fast_decode.fast_decode_support(engine.model)}")
         bench(args, engine)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

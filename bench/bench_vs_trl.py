@@ -713,6 +713,52 @@ def tables(runs, rows, verdict, target, n_problems):
     return markdown(head, per_seed), markdown(summary_head, summary)
 
 
+BATCH_ROWS = (("reward", "mean reward"), ("all_equal", "groups with all-equal rewards"),
+              ("length", "mean completion tokens"), ("no_eos", "completions ended without EOS"),
+              ("grad_norm", "gradient norm before clipping"))
+
+
+def batches(run, key, G):
+    """What a run trained on, step by step: [{step, reward, all_equal, length, no_eos, grad_norm}].
+    TRL's from its last checkpoint's log_history (trainer_state.json), ours from the bucket's
+    metrics/step-N.json (trainer.py's record of each step)."""
+    if key == "trl":
+        work = os.path.dirname(run["bucket"])  # .../trl: checkpoint-N/ beside checkpoints/
+        last = max((d for d in os.listdir(work) if d.startswith("checkpoint-")),
+                   key=lambda d: int(d.split("-")[1]))
+        with open(os.path.join(work, last, "trainer_state.json")) as f:
+            logs = [r for r in json.load(f)["log_history"] if "reward" in r]
+        return [{"step": r["step"], "reward": r["reward"], "all_equal": r["frac_reward_zero_std"],
+                 "length": r["completions/mean_length"], "no_eos": r["completions/clipped_ratio"],
+                 "grad_norm": r["grad_norm"]} for r in logs]
+    metrics = os.path.join(run["run_dir"], "bucket", "metrics")
+    out = []
+    for name in sorted(os.listdir(metrics)):
+        with open(os.path.join(metrics, name)) as f:
+            r = json.load(f)
+        out.append({"step": r["step"], "reward": r["reward_mean"],
+                    "all_equal": r["groups_zero_variance"] / r["groups"],
+                    "length": r["tokens"] / (r["groups"] * G), "no_eos": r["clipped_ratio"],
+                    "grad_norm": r["grad_norm"]})
+    return out
+
+
+def batch_table(runs, steps, G, parts=3):
+    """Each side's batches, the mean over seeds and over each third of the run's steps."""
+    edges = [round(steps * k / parts) for k in range(parts + 1)]
+    spans = list(zip(edges[:-1], edges[1:]))
+    seeds = sorted({s for s, _ in runs})
+    rows = []
+    for field, what in BATCH_ROWS:
+        for key, side in (("trl", "TRL"), ("ours", "ours")):
+            per_step = [b for s in seeds for b in batches(runs[(s, key)], key, G)]
+            cells = [[b[field] for b in per_step if lo < b["step"] <= hi] for lo, hi in spans]
+            rows.append((f"{what}, {side}",
+                         *(f"{sum(c) / len(c):.2f}" if c else "-" for c in cells)))
+    head = (f"mean over {len(seeds)} seeds", *(f"steps {lo + 1}-{hi}" for lo, hi in spans))
+    return markdown(head, rows)
+
+
 def plot(runs, settings, target, path):
     """Held-out accuracy against training wall-clock, one line per run."""
     try:
@@ -816,6 +862,8 @@ def main(argv=None):
                             "per_seed": {str(s): r for s, r in rows.items()}, **verdict,
                             "training_s": t_train, "evaluation_s": t_eval}), f, indent=1)
     print(f"\n{per_seed}\n\n{summary}\n")
+    print("What each side trained on (its own records of each step: TRL's log_history, our "
+          f"trainer's metrics):\n\n{batch_table(runs, a.steps, int(settings['NUM_GENERATIONS']))}\n")
     probed = ", ".join(f"{t}: {s:.1f} s/step" for t, s in (probe or {}).items())
     print(f"Base model {pct(base['accuracy'])} on {n_problems} held-out problems (rollout.py --eval, "
           f"greedy). Time to {pct(a.target)}: training seconds (model loads included) of the first "

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import engines
+import fast_decode
 import rollout
 from test_rollout import arith_prompts, make_adapter
 
@@ -106,7 +107,7 @@ def test_greedy_decode_loop_equals_transformers_greedy(tiny_model, adapter):
     assert engine.greedy(prompts, 30) == texts  # transformers' generate after the shared prefill
 
 
-@pytest.mark.skipif(not engines.Packs.usable("cpu", torch.float32), reason="torch without MKL")
+@pytest.mark.skipif(not fast_decode.Packs.usable("cpu", torch.float32), reason="torch without MKL")
 def test_packed_weights_sample_as_unpacked(tiny_model, adapter):
     """The decode loop with its base weights packed for MKL (engines.Packs, the engine's default
     on a CPU) draws the same tokens as without, seed for seed, log-probs within 1e-5; the weights
@@ -148,11 +149,11 @@ def test_joined_projections_move_the_weights(tiny_model):
     ids = torch.arange(3, 40)[None]  # (1, 37)
     with torch.no_grad():
         before, size = model(ids).logits, nbytes(model)
-        engines.join_projections(model)
+        fast_decode.join_projections(model)
         after = model(ids).logits
     assert nbytes(model) == size
     attn = model.model.layers[0].self_attn
-    assert engines.joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    assert fast_decode.joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
     assert torch.equal(before, after)
 
 
@@ -169,7 +170,7 @@ def test_unsupported_lora_falls_back_to_generate(tiny_model, tmp_path):
     assert engine.fast
     engine.load_adapter(1, str(tmp_path / "emb"))
     assert not engine.fast
-    assert "embed_tokens" in engines.fast_decode_support(engine.model)
+    assert "embed_tokens" in fast_decode.fast_decode_support(engine.model)
     prompts = arith_prompts(engine.tokenizer, 4)
     reference = rollout.HFEngine(tiny_model, seed=0, fast=False)
     reference.load_adapter(1, str(tmp_path / "emb"))

@@ -145,3 +145,41 @@ def test_the_rank_test_over_runs_counts_every_split_of_the_pooled_runs():
     assert rs.rank_test([0.9, 0.8, 0.7], [0.1, 0.2, 0.3]) == 1 / 20  # all above: the smallest p
     assert rs.rank_test([0.1, 0.2], [0.8, 0.9]) == 1.0
     assert rs.rank_test([0.5, 0.5], [0.5, 0.5]) == 1.0  # all tied: no evidence either way
+
+
+def test_what_each_side_trained_on_comes_from_each_sides_own_records(tmp_path):
+    """batch_table: TRL's steps from the log_history of its last checkpoint (not an earlier one),
+    ours from the bucket's metrics/step-N.json, in the fields each writes; the mean over seeds and
+    over each third of the steps."""
+    import bench_vs_trl
+
+    runs = {}
+    for seed in (0, 1):
+        work = tmp_path / f"seed-{seed}" / "trl"
+        for last, step_offset in ((2, 9), (3, 0)):  # checkpoint-2 holds other numbers: not read
+            (work / f"checkpoint-{last}").mkdir(parents=True)
+            log = [{"step": s, "reward": 0.1 * s + seed + step_offset, "frac_reward_zero_std": 0.25,
+                    "completions/mean_length": 11.0, "completions/clipped_ratio": 0.5,
+                    "grad_norm": 2.0 * s} for s in range(1, last + 1)]
+            log.append({"train_runtime": 1.0, "step": last})  # the end-of-run record: no reward
+            (work / f"checkpoint-{last}" / "trainer_state.json").write_text(
+                json.dumps({"log_history": log}))
+        runs[(seed, "trl")] = {"bucket": str(work / "checkpoints")}
+        metrics = tmp_path / f"ours-{seed}" / "bucket" / "metrics"
+        metrics.mkdir(parents=True)
+        for s in (1, 2, 3):
+            (metrics / f"step-{s:06d}.json").write_text(json.dumps(
+                {"step": s, "reward_mean": 0.2 * s + seed, "groups": 4, "groups_zero_variance": s,
+                 "tokens": 4 * 8 * 10, "clipped_ratio": 0.75, "grad_norm": 1.0}))
+        runs[(seed, "ours")] = {"run_dir": str(tmp_path / f"ours-{seed}")}
+    table = bench_vs_trl.batch_table(runs, steps=3, G=8).splitlines()
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in table[2:]}
+    assert table[0].split("|")[2].strip() == "steps 1-1"
+    assert cells["mean reward, TRL"] == ["0.60", "0.70", "0.80"]  # 0.1 s + mean of seeds 0, 1
+    assert cells["mean reward, ours"] == ["0.70", "0.90", "1.10"]
+    assert cells["groups with all-equal rewards, ours"] == ["0.25", "0.50", "0.75"]
+    assert cells["groups with all-equal rewards, TRL"] == ["0.25"] * 3
+    assert cells["mean completion tokens, ours"] == ["10.00"] * 3
+    assert cells["completions ended without EOS, TRL"] == ["0.50"] * 3
+    assert cells["gradient norm before clipping, TRL"] == ["2.00", "4.00", "6.00"]
