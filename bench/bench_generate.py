@@ -13,9 +13,9 @@ seed, all drawing with engines.draw_tokens, each timed --repeats times after one
   plain       transformers + peft model.generate on each prompt copied G times (what
               num_return_sequences does), log-probs from output_logits
   hf-plain    HFEngine.generate with fast=False: each prompt prefilled once, then model.generate
-  hf-unpacked HFEngine.generate with FastDecoder, its weights as they are (no engines.Packs)
+  hf-unpacked HFEngine.generate with FastDecoder, its weights as they are (no fast_decode.Packs)
   hf          HFEngine.generate: FastDecoder's one-pass prefill, then its decode loop with the
-              base weights packed for MKL (engines.Packs) where torch has MKL
+              base weights packed for MKL (fast_decode.Packs) where torch has MKL
 
   tok/s     completion tokens (cut at EOS) / wall seconds, at the median
   wall s    wall-clock seconds per call: median [min-max] over the repeats
@@ -33,7 +33,7 @@ once), then rows = P*G tokens per step for the steps actually run but the first 
 the best of 5 trials (a stricter floor than the median); attention FLOPs are counted at the
 fastest linear rate. The LoRA's matmuls are not counted: the floor is
 the base model's. Also printed: the rates of the same products as W @ x.T (output transposed) and
-with the weights packed (engines.Packs), the floor over the best of the three layouts, stricter
+with the weights packed (fast_decode.Packs), the floor over the best of the three layouts, stricter
 where MKL runs either faster, and each method's fraction of it (the "floor s" column stays
 F.linear's). Every method is checked against plain: the same ids seed for seed, the log-probs
 within 1e-4 ("exact" column).
@@ -136,7 +136,7 @@ def work(config, prompt_lens, prefix, rows, steps):
 def linear_rate(rows, i, o, trials=5, min_s=0.05, layout="linear"):
     """FLOP/s of F.linear at (rows, i) x (o, i), in CPU time: the best of `trials`, each >= min_s
     long. layout "columns": the same product as w @ x.T (its output transposed, (o, rows));
-    "packed": with w packed for `rows` rows first (engines.Packs, MKL's packed sgemm)."""
+    "packed": with w packed for `rows` rows first (fast_decode.Packs, MKL's packed sgemm)."""
     x, w = torch.randn(rows, i), torch.randn(o, i)
     if layout == "packed":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)

@@ -1,7 +1,8 @@
-"""engines.py: the hf engine's sampler over a vocabulary of several blocks, its decode loop in more
-shapes than tests/test_rollout.py's (several calls per generate, G = 1, rows that stop early), its
-greedy against transformers' greedy generate, the joined q/k/v and gate/up weights (no copy), the
-weights packed for MKL (the same samples as unpacked), the fallback to transformers' generate, and bench/bench_generate.py run at a tiny size.
+"""engines.py and fast_decode.py: the hf engine's sampler over a vocabulary of several blocks, its
+decode loop in more shapes than tests/test_rollout.py's (several calls per generate, G = 1, rows
+that stop early), its greedy against transformers' greedy generate, the joined q/k/v and gate/up
+weights (no copy), the weights packed for MKL (the same samples as unpacked), the fallback to
+transformers' generate, and bench/bench_generate.py run at a tiny size.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -s tests/test_engines.py
 
@@ -109,7 +110,7 @@ def test_greedy_decode_loop_equals_transformers_greedy(tiny_model, adapter):
 
 @pytest.mark.skipif(not fast_decode.Packs.usable("cpu", torch.float32), reason="torch without MKL")
 def test_packed_weights_sample_as_unpacked(tiny_model, adapter):
-    """The decode loop with its base weights packed for MKL (engines.Packs, the engine's default
+    """The decode loop with its base weights packed for MKL (fast_decode.Packs, the engine's default
     on a CPU) draws the same tokens as without, seed for seed, log-probs within 1e-5; the weights
     are packed once for a row count (the second call with it packs nothing) and again for
     another."""
@@ -153,7 +154,8 @@ def test_joined_projections_move_the_weights(tiny_model):
         after = model(ids).logits
     assert nbytes(model) == size
     attn = model.model.layers[0].self_attn
-    assert fast_decode.joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    assert fast_decode.joined([attn.q_proj.weight, attn.k_proj.weight,
+                               attn.v_proj.weight]) is not None
     assert torch.equal(before, after)
 
 
