@@ -21,8 +21,9 @@ Decisions:
    architectures and as the reference the tests and bench/bench_generate.py compare with), and
    draws the same tokens seed for seed; its log-probs equal transformers + peft's within 1e-4.
    greedy runs the same loop with argmax (the same texts as transformers' greedy generate).
-4. Public APIs, but one: the model's submodules (embed_tokens, layers, norm, rotary_emb, lm_head),
-   peft's LoRA layers (base_layer, lora_A, lora_B, scaling) and DynamicCache.layers; and on a CPU
+4. Public APIs but for two torch ops: the model's submodules (embed_tokens, layers, norm,
+   rotary_emb, lm_head), peft's LoRA layers (base_layer, lora_A, lora_B, scaling) and
+   DynamicCache.layers; and on a CPU
    in fp32 with MKL, torch's private torch.ops.mkl._mkl_reorder_linear_weight and _mkl_linear
    (what torch.compile emits for fp32 linear layers there), feature-checked (Packs.usable): the
    decode steps' weights packed once for their row count (fast_decode.Packs), not at every matmul;
@@ -36,8 +37,8 @@ import os
 from collections import namedtuple
 
 # the decode loop, layer by layer: fast_decode.py (not needed to follow what an engine does)
-from fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs,  # noqa: F401
-                         fast_decode_support, join_projections)
+from fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs, fast_decode_support,
+                         join_projections)
 
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM takes as max_lora_rank
