@@ -321,7 +321,10 @@ def test_directory_bucket_outage_trainer_retries_replicas_keep_serving(running):
         r.wait_for(r"\] batch \d+ ", 60, count=batches[r.name] + 1)
     serving = [r.name for r in s.replicas()]
     loaded = loaded_versions(s)  # read first: a version loaded now was announced, so it is in LATEST or printed next
-    published = {int(v) for v, _ in PUBLISHED.findall(s.trainer.text())} | {sync.latest_version(bucket)}
+    deadline = time.monotonic() + 10  # "printed next": a fast replica can load it before the trainer's line lands
+    while not loaded <= (published := {int(v) for v, _ in PUBLISHED.findall(s.trainer.text())}
+                         | {sync.latest_version(bucket)}) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert loaded <= published, "a replica loaded an unpublished version"
     verify_bucket(bucket, s.scratch)
     recs = sync.read_metrics(bucket)
