@@ -53,6 +53,7 @@ if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What i
   : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-12}}"   # MAX_NEW_TOKENS: its old name
   : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=0}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
+  : "${THREADS:=1}"               # torch threads of each role's process (the cores are shared)
   : "${NAME:=local-$(date +%Y%m%d-%H%M%S)}"
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
   : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
@@ -96,7 +97,7 @@ show_settings() {
   local v
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
            TEMPERATURE MAX_COMPLETION_LENGTH ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
-           LORA_ALPHA LOSS_TYPE BETA SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE BUCKET \
+           LORA_ALPHA LOSS_TYPE BETA SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE THREADS BUCKET \
            PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE \
            PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
@@ -232,7 +233,8 @@ replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one 
 }
 
 run_local() {
-  export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  case $THREADS in ''|0|*[!0-9]*) die "THREADS='$THREADS': torch threads per role, a whole number >= 1" ;; esac
+  export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
   # This run's tokens: the trainer's (PROXY_TOKEN) and the replicas' (ROLLOUT_TOKEN: /rollouts,
   # /quota, /config, /stats only). Nothing else on the machine can feed or drain this proxy.

@@ -83,7 +83,7 @@ from conftest import free_port  # noqa: E402
 TRL_VERSION = "1.16.0"
 SETTINGS = ("TASK", "GROUPS_PER_STEP", "NUM_GENERATIONS", "MAX_NEW_TOKENS", "TEMPERATURE", "LEARNING_RATE",
             "LR_SCHEDULER_TYPE", "LORA_R", "LORA_ALPHA", "LOSS_TYPE", "BETA", "SEED")  # jobs.sh defaults TRL is given too
-OURS_ONLY = ("MAX_STALENESS", "ZERO_VARIANCE", "REPLICAS")  # printed, not required (keep = TRL's rule)
+OURS_ONLY = ("MAX_STALENESS", "ZERO_VARIANCE", "REPLICAS", "THREADS")  # printed, not required (keep = TRL's rule)
 SMOLLM2 = os.path.join(ROOT, "runs/models/smollm2-135m-instruct")
 
 

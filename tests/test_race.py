@@ -132,6 +132,8 @@ def test_ours_settings_other_than_jobs_defaults_are_checked_by_name():
     import bench_vs_trl
 
     assert bench_vs_trl.parse_args(["--ours", "MAX_STALENESS=0"]).ours == {"MAX_STALENESS": "0"}
+    assert bench_vs_trl.parse_args(["--ours", "MAX_STALENESS=0", "--ours", "THREADS=2"]).ours == {
+        "MAX_STALENESS": "0", "THREADS": "2"}
     assert bench_vs_trl.parse_args([]).ours == {}
     for bad in ("LEARNING_RATE=1e-3", "MAX_STALENESS", "MAX_STALENESS="):  # a shared setting: both
         with pytest.raises(SystemExit):
