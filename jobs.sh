@@ -233,7 +233,9 @@ replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one 
 }
 
 run_local() {
-  case $THREADS in ''|0|*[!0-9]*) die "THREADS='$THREADS': torch threads per role, a whole number >= 1" ;; esac
+  case $THREADS in  # a whole number >= 1, no leading zero
+    ''|0*|*[!0-9]*) die "THREADS='$THREADS': torch threads per role, a whole number >= 1" ;;
+  esac
   export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
   # This run's tokens: the trainer's (PROXY_TOKEN) and the replicas' (ROLLOUT_TOKEN: /rollouts,

@@ -122,8 +122,8 @@ def test_local_run_refuses_a_port_another_proxy_answers_on(run_name):
     assert not os.path.exists(os.path.join(ROOT, "runs", run_name))  # refused before anything started
 
 
-def test_local_run_refuses_a_thread_count_that_is_not_one(run_name):
-    for bad in ("0", "two", "-1"):
+def test_local_run_refuses_a_thread_count_that_is_not_a_whole_number(run_name):
+    for bad in ("0", "00", "two", "-1", "1.5"):
         res = subprocess.run(jobs_sh("--local"), cwd=ROOT, env=dict(os.environ, NAME=run_name, THREADS=bad),
                              capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and f"THREADS='{bad}'" in res.stderr, res.stdout + res.stderr
