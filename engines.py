@@ -162,7 +162,7 @@ class HFEngine:
     # override a checkpoint's generation_config: sample from the model's distribution as it is
     PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)
 
-    def __init__(self, model, seed=0, batch_size=64, fast=True):
+    def __init__(self, model, seed=0, batch_size=256, fast=True):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

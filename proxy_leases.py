@@ -76,12 +76,13 @@ class LeaseSizing:
         if lack <= 0:
             return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
                        f"buffered, {leased} leased to other replicas)")
-        # drop mode: only this share of the groups will be kept, so ask for more
+        # drop mode: only this share of the groups will be kept, so ask for more, in one lease
+        # (one engine batch: a step's groups at once, not one generate call after another)
+        kept = 1.0
         if c["zero_variance"] == "drop" and self.recent_usable:
-            kept = sum(self.recent_usable) / len(self.recent_usable)
-            lack = math.ceil(lack / max(0.05, kept))
+            kept = max(0.05, sum(self.recent_usable) / len(self.recent_usable))
         shares = self._shares(now, worker)
-        n = min(most, lack, max(1, round(B * shares[worker])))
+        n = min(most, math.ceil(lack / kept), max(1, math.ceil(round(B * shares[worker]) / kept)))
         if S > 0 and worker not in self.pace and len(shares) > 1:
             n = 1  # a new replica among others: one group to measure it on, nobody waits for it
         if self._overtaken(worker, now) and self.step_s and worker in self.pace:

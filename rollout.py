@@ -153,7 +153,10 @@ class Replica:
                                      temperature=args.temperature,
                                      max_completion_length=args.max_completion_length,
                                      completions=completions))
-        reply = self.client.post_rollouts(groups)
+        # POSTs of at most groups_per_step groups: what the proxy's body limit is sized for
+        k = self.args.post_groups
+        replies = [self.client.post_rollouts(groups[i:i + k]) for i in range(0, len(groups), k)]
+        reply = {key: sum(r.get(key, 0) for r in replies) for key in ("accepted", "stale")}
         self.batches += 1
         return self.log_batch(groups, reply, gen_s)
 

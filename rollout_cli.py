@@ -71,6 +71,7 @@ def take_contract(args, client):
     error)."""
     contract = client.contract(**{k: getattr(args, k) for k in REPLICA_FLAGS})
     vars(args).update({k: contract[k] for k in REPLICA_FLAGS})
+    args.post_groups = contract["groups_per_step"]  # the most groups a POST carries
     print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
 
@@ -83,6 +84,11 @@ def run_replica(args):
     take_contract(args, client)  # a wrong URL or token ends here, before a model is loaded
     # a temporary folder unless --cache-dir: removed at exit
     cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-")
+    # the engine while the trainer starts, unless it needs v0's LoRA rank (vLLM without
+    # --max-lora-rank): the start of a run is the two roles' model loads side by side
+    engine = None
+    if args.max_lora_rank or pick_engine(args.engine)[0] != "vllm":
+        engine = make_engine(args, args.max_lora_rank)
     # the trainer publishes v0 before its first step
     if (first := sync.latest_version(bucket)) is None:
         print(f"[{name}] waiting for adapter v0 in {bucket.url}", flush=True)
@@ -95,7 +101,8 @@ def run_replica(args):
     if base and base != args.model:  # the same model can live under two names: the load decides
         print(f"[{name}] note: adapter v{first} was trained on --model {base}, this replica "
               f"runs --model {args.model}", flush=True)
-    replica = Replica(args, make_engine(args, adapter_rank(path)), bucket, client, cache_dir)
+    engine = engine or make_engine(args, adapter_rank(path))
+    replica = Replica(args, engine, bucket, client, cache_dir)
     try:
         replica.refresh()  # the first load: an adapter trained on another base model fails here
     except (RuntimeError, ValueError) as e:

@@ -518,14 +518,16 @@ def test_quota_in_drop_mode_scales_by_the_usable_rate_and_drops_equal_rewards(pr
     trainer, replica = ProxyClient(url), ProxyClient(url)
     trainer.set_version(0)
     assert replica.quota("r", 0, 100, timeout=0)["groups"] == 4  # no rate known yet
-    flat = [make_group(f"flat{i}", rewards=[1.0, 1.0]) for i in range(2)]
-    reply = replica.post_rollouts(flat + [make_group("useful0"), make_group("useful1")])
-    assert (reply["accepted"], reply["zero_variance"], reply["stale"]) == (4, 2, 0)
-    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 4  # 2 missing at a usable rate of 1/2
+    flat = [make_group(f"flat{i}", rewards=[1.0, 1.0]) for i in range(3)]
+    reply = replica.post_rollouts(flat + [make_group("useful0")])
+    assert (reply["accepted"], reply["zero_variance"], reply["stale"]) == (4, 3, 0)
+    # 3 missing at a usable rate of 1/4: one lease of 12 (more than a step's 4), at most `most`
+    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 12
+    assert replica.quota("r", 0, 5, timeout=0)["groups"] == 5
     batch = trainer.get_batch(4, timeout=0.5)["groups"]
-    assert [g["group_id"] for g in batch] == ["useful0", "useful1"]  # never a group with equal rewards
+    assert [g["group_id"] for g in batch] == ["useful0"]  # never a group with equal rewards
     s = trainer.stats()
-    assert (s["dropped_zero_variance"], s["delivered"], s["buffered"]) == (2, 2, 0) and identity_holds(s)
+    assert (s["dropped_zero_variance"], s["delivered"], s["buffered"]) == (3, 1, 0) and identity_holds(s)
 
 
 def replica_loop(url, worker, seconds_per_group, stop, token=None):

@@ -212,19 +212,21 @@ def run_cli(*args, env=None, timeout=240):
 
 
 def test_cli_pushes_groups_to_the_proxy(tiny_model, adapters, proxy_url, tmp_path):
-    """The replica starts before the trainer: it waits for v0, then pushes 2 batches and stops."""
+    """The replica starts before the trainer: it builds its engine while it waits for v0, then
+    pushes 2 batches and stops."""
     bucket = str(tmp_path / "bucket")
     cmd = [sys.executable, os.path.join(ROOT, "rollout.py"), "--model", tiny_model, "--bucket", bucket,
            "--proxy", proxy_url, "--task", "toy", "--engine", "hf", "--max-batches", "2", "--poll-interval", "0.2"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-    first = p.stdout.readline() + p.stdout.readline()  # the run's settings, then the wait
-    assert "waiting for adapter v0" in first, first
+    # the run's settings, the engine (built without v0: the hf engine needs no LoRA rank), the wait
+    first = p.stdout.readline() + p.stdout.readline() + p.stdout.readline()
+    assert "engine: hf on cpu" in first and first.endswith(f"waiting for adapter v0 in {bucket}\n"), first
     sync.publish_adapter(bucket, adapters[0], 0)  # the trainer's first publish, then its announcement
     proxy.ProxyClient(proxy_url).set_version(0)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-2000:]
     print(first + out)
-    assert "engine: hf on cpu (asked for with --engine)" in out
+    assert "engine: hf on cpu (asked for with --engine)" in first
     assert "adapter v0 loaded" in out and out.count("] batch ") == 2
     stats = proxy.ProxyClient(proxy_url).stats()
     assert stats["accepted"] == 6 and stats["rejected"] == 0 and "replica-0" in stats["workers"]  # 2 x 3
