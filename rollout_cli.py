@@ -76,7 +76,8 @@ def take_contract(args, client):
 
 
 def run_replica(args):
-    """The start: the run's settings, adapter v0, the engine; then Replica.step until done."""
+    """The start: the run's settings, the engine (while the trainer starts), adapter v0; then
+    Replica.step until done."""
     name = f"replica-{args.replica_id}"
     bucket = sync.open_bucket(args.bucket)
     # token default: env PROXY_TOKEN
