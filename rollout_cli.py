@@ -1,8 +1,9 @@
 """rollout_cli.py — rollout.py's support half: the engine's choice, the start, --eval and the
 command line. Not needed to follow a GRPO step (that is rollout.Replica, top to bottom).
 
-    run_replica  the run's settings from GET /config (take_contract), adapter v0 from the bucket,
-                 the engine (make_engine: pick_engine's choice), then Replica.step until done
+    run_replica  the run's settings from GET /config (take_contract), the engine (make_engine:
+                 pick_engine's choice; vLLM waits for v0's LoRA rank), adapter v0 from the
+                 bucket, then Replica.step until done
     run_eval     greedy accuracy of the base model or an adapter on the task's test split
     main         `python rollout.py ...` runs it
 
