@@ -206,6 +206,29 @@ def test_replica_follows_the_proxys_quota(hf_engine, adapters, tmp_path):
         server.server_close()
 
 
+def test_a_batch_larger_than_a_step_is_posted_in_slices(hf_engine, adapters, tmp_path):
+    """Drop mode leases a step's groups at once, often more than groups_per_step; the proxy's body
+    limit is sized for groups_per_step. A 3000-byte limit holds 2 of these groups (~730 bytes each)
+    but not 6: only POSTs of at most 2 get all 6 in."""
+    server, _ = proxy.serve(port=0, max_staleness=0, num_generations=2, groups_per_step=2,
+                            max_new_tokens=4, max_body_mb=3000 / 2**20)
+    url, bucket = f"http://127.0.0.1:{server.server_address[1]}", str(tmp_path / "bucket")
+    try:
+        sync.publish_adapter(bucket, adapters[0], 0)
+        client = proxy.ProxyClient(url)
+        replica = rollout.Replica(replica_args(bucket, url), hf_engine, sync.open_bucket(bucket), client,
+                                  sync.AdapterCache(str(tmp_path / "cache")))
+        replica.refresh()
+        client.set_version(0)
+        assert replica.batch(6)["accepted"] == 6 and client.stats()["accepted"] == 6
+        replica.args.post_groups = 6  # the limit is real: 6 in one POST do not fit
+        with pytest.raises(proxy.ProxyError, match="413"):
+            replica.batch(6)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def run_cli(*args, env=None, timeout=240):
     return subprocess.run([sys.executable, os.path.join(ROOT, "rollout.py"), *args], capture_output=True,
                           text=True, timeout=timeout, env=env or ENV, cwd=ROOT)
