@@ -77,10 +77,12 @@ class LeaseSizing:
             return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
                        f"buffered, {leased} leased to other replicas)")
         # drop mode: only this share of the groups will be kept, so ask for more, in one lease
-        # (one engine batch: a step's groups at once, not one generate call after another)
+        # (one engine batch: a step's groups at once, not one generate call after another). The
+        # share is Laplace's rule of succession over the recent groups (a prior of one kept, one
+        # dropped): 0 kept of the first 4 reads 1/6, not 0.05 (20 steps' groups)
         kept = 1.0
-        if c["zero_variance"] == "drop" and self.recent_usable:
-            kept = max(0.05, sum(self.recent_usable) / len(self.recent_usable))
+        if c["zero_variance"] == "drop":
+            kept = max(0.05, (sum(self.recent_usable) + 1) / (len(self.recent_usable) + 2))
         shares = self._shares(now, worker)
         n = min(most, math.ceil(lack / kept), max(1, math.ceil(round(B * shares[worker]) / kept)))
         if S > 0 and worker not in self.pace and len(shares) > 1:

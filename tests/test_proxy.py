@@ -517,12 +517,13 @@ def test_quota_in_drop_mode_scales_by_the_usable_rate_and_drops_equal_rewards(pr
     url, _ = proxy(max_staleness=0, groups_per_step=4, zero_variance="drop")
     trainer, replica = ProxyClient(url), ProxyClient(url)
     trainer.set_version(0)
-    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 4  # no rate known yet
+    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 8  # no group seen: a rate of 1/2
     flat = [make_group(f"flat{i}", rewards=[1.0, 1.0]) for i in range(3)]
     reply = replica.post_rollouts(flat + [make_group("useful0")])
     assert (reply["accepted"], reply["zero_variance"], reply["stale"]) == (4, 3, 0)
-    # 3 missing at a usable rate of 1/4: one lease of 12 (more than a step's 4), at most `most`
-    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 12
+    # 3 missing, 1 of 4 usable: a rate of (1 + 1) / (4 + 2), one lease of 9 (more than a step's
+    # 4), at most `most`
+    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 9
     assert replica.quota("r", 0, 5, timeout=0)["groups"] == 5
     batch = trainer.get_batch(4, timeout=0.5)["groups"]
     assert [g["group_id"] for g in batch] == ["useful0"]  # never a group with equal rewards
