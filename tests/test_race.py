@@ -16,6 +16,7 @@ import time
 import pytest
 
 import race_stats as rs
+from conftest import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -185,3 +186,20 @@ def test_what_each_side_trained_on_comes_from_each_sides_own_records(tmp_path):
     assert cells["mean completion tokens, ours"] == ["10.00"] * 3
     assert cells["completions ended without EOS, TRL"] == ["0.50"] * 3
     assert cells["gradient norm before clipping, TRL"] == ["2.00", "4.00", "6.00"]
+
+
+def test_the_allocator_setting_keeps_freed_blocks_in_the_process():
+    """MALLOC_KEPT (jobs.sh's for our trainer, probed for TRL): a freed 64 MB block is reused,
+    not unmapped and faulted in again; with glibc's defaults each of 3 more rounds faults it in."""
+    import bench_vs_trl
+
+    code = ("import resource\nfor i in range(4):\n    b = bytearray(64 << 20)\n    del b\n"
+            "    if i == 0:\n        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)")
+    faults = {name: int(subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **extra),
+                                       capture_output=True, text=True, check=True).stdout)
+              for name, extra in (("glibc", {}), ("kept", bench_vs_trl.MALLOC_KEPT))}
+    pages = 3 * (64 << 20) // 4096
+    assert faults["kept"] < 0.05 * pages and faults["glibc"] > 0.5 * pages, faults
+    with open(os.path.join(ROOT, "jobs.sh")) as f:  # the same values where jobs.sh starts the trainer
+        assert " ".join(f"{k}={v}" for k, v in bench_vs_trl.MALLOC_KEPT.items()) in f.read()
