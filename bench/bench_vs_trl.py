@@ -17,8 +17,8 @@
    a probe runs --probe-steps steps at 1 and at 2 threads first and keeps the lower median step
    time (--trl-threads N skips that part); then, at that thread count, with glibc's malloc kept
    from handing large blocks back to the kernel (MALLOC_KEPT: what jobs.sh gives our trainer),
-   kept if faster (--trl-malloc skips that part). Its per-step split is recorded: the batch's generation
-   and scoring (TRL's own profiling of `_prepare_inputs`, of which `transformers.generate`) and
+   kept if faster (--trl-malloc skips that part). Its per-step split is recorded: the batch's
+   generation and scoring (TRL's own profiling of `_prepare_inputs`, of which `transformers.generate`) and
    the rest of the step (loss, backward, optimizer).
 2. `bash jobs.sh --local` with its defaults (only STEPS, SEED, EVAL_LIMIT, MODEL, NAME and
    PROXY_PORT set). TRL gets the same settings, read from jobs.sh's defaults: GROUPS_PER_STEP
