@@ -281,9 +281,8 @@ $(tail -5 "$RUN/proxy.log")"
          "(logs in $RUN/)"
   local train_t0=$SECONDS
   # glibc's malloc hands a freed large block (the step's logits, ~70 MB) back to the kernel and
-  # faults it in again the next step: 80-170k page faults a step on this kind of machine. Kept in
-  # the process instead (no mmap, no trim), the trainer's step is 0.3-1 s faster (docs/race.md).
-  # Not set for the replica: its effect there was inside the noise. Linux only (glibc's names).
+  # faults it in again the next step; these keep it in the trainer's process (no mmap, no trim):
+  # docs/race.md#the-allocator. The replica keeps glibc's defaults. glibc's names (mallopt(3)).
   trainer_args "$MODEL_PATH" "$BUCKET" "$url"
   start trainer env -u ROLLOUT_TOKEN MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 \
     "$PY" "${ARGS[@]}"
