@@ -203,3 +203,46 @@ def test_the_allocator_setting_keeps_freed_blocks_in_the_process():
     assert faults["kept"] < 0.05 * pages and faults["glibc"] > 0.5 * pages, faults
     with open(os.path.join(ROOT, "jobs.sh")) as f:  # the same values where jobs.sh starts the trainer
         assert " ".join(f"{k}={v}" for k, v in bench_vs_trl.MALLOC_KEPT.items()) in f.read()
+
+
+def test_race_floor_prices_the_batches_and_steps_before_the_target(tmp_path):
+    """bench/race_floor.py: the batches a replica logged with an adapter older than the target
+    step (rollout.py's own batch line), each at bench_generate's floor, and each trainer step
+    before it as twice its forward, counted here by hand."""
+    from types import SimpleNamespace
+
+    import race_floor
+    import rollout
+    import sync
+    from bench_generate import work
+
+    lines, R = [], 2e9  # every matmul at R FLOP/s
+    replica = SimpleNamespace(batches=0, version=0, trainer_version=0, reload_s=0.0,
+                              log=lines.append)
+    for version, n in ((0, 3), (1, 2), (2, 5)):  # a target at step 2: versions 0 and 1 count
+        replica.batches, replica.version = replica.batches + 1, version
+        groups = [{"group_id": f"g{version}-{k}", "completions": [
+            {"reward": 1.0, "ids": [5, 6]}, {"reward": 0.0, "ids": [7]}]} for k in range(n)]
+        rollout.Replica.log_batch(replica, groups, {"accepted": n, "stale": 0}, 0.5)
+    (tmp_path / "rollout-0.log").write_text("".join(f"[replica-0] {x}\n" for x in lines))
+    bucket = str(tmp_path / "bucket")
+    for step, tokens in ((1, 7), (2, 9), (3, 100)):
+        sync.append_metrics(bucket, {"step": step, "groups": 2, "tokens": tokens})
+    config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=4, num_hidden_layers=3,
+                             vocab_size=32)
+    maps = [(8, 8), (8, 4), (8, 4), (8, 8), (8, 16), (8, 16), (16, 8)]
+    best = {io: R for io in set(maps) | {(8, 32)}}
+    prompt_lens, prefix, G, T = [6, 7], 4, 2, 3
+    made, gen, train = race_floor.seed_floor(str(tmp_path), 2, prompt_lens, prefix, config,
+                                             best, G, T)
+    assert made == 5
+    expected_gen = 0.0
+    for n in (3, 2):
+        mm, attn = work(config, [prompt_lens[k % 2] for k in range(n)], prefix, n * G, T)
+        expected_gen += (sum(2 * r * i * o * c for (r, i, o), c in mm.items()) + attn) / R
+    assert gen == pytest.approx(expected_gen)
+    per_row = 2 * 3 * sum(i * o for i, o in maps)  # every layer's maps, one token
+    rows = [4 + 2 + 3 + tokens for tokens in (7, 9)]  # the prefix, each prompt's rest, completions
+    assert train == pytest.approx(sum(2 * (r * per_row + 2 * t * 8 * 32) / R
+                                      for r, t in zip(rows, (7, 9))))
