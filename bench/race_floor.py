@@ -1,7 +1,7 @@
 """How fast ours could reach the race's target at all: each seed of a finished race replayed at
 this CPU's compute floor, against TRL's measured time.
 
-    .venv/bin/python bench/race_floor.py runs/race-5seeds --threads 2
+    OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/race_floor.py runs/race-5seeds
 
 For each seed of a race written by bench/bench_vs_trl.py, ours' own logs say what it computed up
 to the step of its first checkpoint at the target: every batch its replicas generated with the
@@ -17,10 +17,12 @@ below what any implementation of ours' algorithm and settings could take here.
   made      groups generated before the target step (the leases' overshoot included: the run's
             stale share is printed; a lease policy with no overshoot saves at most that)
   floor s   generation + trainer floor, wall seconds at --threads cores
+  start s   the training banner to the trainer's first wait for groups (imports, model load)
   ours s    ours' measured time to the target; "of floor": floor s / ours s
   bound     floor s / TRL's measured time to the target: ours' ratio could not be lower
-  needed    the fraction of the floor ours must run at, with no overhead at all, for the median
-            ratio to reach --ratio: median bound / --ratio (above 1: out of reach)
+  last line the median bound, and the least fraction of the floor both roles must run at for the
+            median ratio to reach --ratio: with nothing else, and with ours' start-up as measured
+            ("> 1": not even at the floor)
 """
 
 import argparse
