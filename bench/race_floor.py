@@ -136,8 +136,8 @@ def main(argv=None):
               f"{t_trl:.1f} | {floor / t_trl:.3f}x | {row['ratio']:.3f}x |")
     if rows:
         print(f"median bound {statistics.median(f / t for f, _, t in rows):.3f}x over {len(rows)} "
-              f"seeds (measured {race['median_ratio']:.3f}x). For a median of {a.ratio}x both roles "
-              f"must run at {needed(rows, a.ratio, False)} of the floor with nothing else; "
+              f"seeds (measured {race['median_ratio']:.3f}x). For a median of {a.ratio}x "
+              f"both roles must run at {needed(rows, a.ratio, False)} of the floor with nothing else; "
               f"{needed(rows, a.ratio, True)} with ours' start-up as measured")
 
 
