@@ -137,7 +137,8 @@ def main(argv=None):
     if rows:
         print(f"median bound {statistics.median(f / t for f, _, t in rows):.3f}x over {len(rows)} "
               f"seeds (measured {race['median_ratio']:.3f}x). For a median of {a.ratio}x "
-              f"both roles must run at {needed(rows, a.ratio, False)} of the floor with nothing else; "
+              f"both roles must run at {needed(rows, a.ratio, False)} of the floor with nothing "
+              f"else; "
               f"{needed(rows, a.ratio, True)} with ours' start-up as measured")
 
 
