@@ -5,8 +5,10 @@ this CPU's compute floor, against TRL's measured time.
 
 For each seed of a race written by bench/bench_vs_trl.py, ours' own logs say what it computed up
 to the step of its first checkpoint at the target: every batch its replicas generated with the
-adapters before that step (rollout-*.log: the groups, each prompt and G samples of T tokens) and
-every trainer step (the step's completion tokens, the bucket's metrics). Each is priced at the
+adapters before that step (rollout-*.log: the groups, each a prompt and G samples of T tokens;
+the logs do not name the prompts, so their lengths are the task's first 64 chat-templated
+prompts', in turn) and every trainer step (its groups and completion tokens, the bucket's
+metrics). Each is priced at the
 floor (bench/bench_generate.py's: the matmuls that must be done over the best fp32 rate this CPU
 reaches on each of them, here the best over 64-512 rows and the three layouts, in CPU seconds,
 divided by --threads cores). A trainer step is priced as twice its forward (the backward through
@@ -59,8 +61,9 @@ def floor_cpu_s(mm, attn_flops, best):
             + attn_flops / max(best.values()))
 
 
-def seed_floor(run_dir, step, prompt_lens, prefix, config, best, G, T):
-    """(groups made, generation CPU s, trainer CPU s) of ours before its checkpoint `step`."""
+def seed_floor(run_dir, metrics, step, prompt_lens, prefix, config, best, G, T):
+    """(groups made, generation CPU s, trainer CPU s) of ours before its checkpoint `step`, from
+    its replicas' logs in run_dir and its trainer's `metrics` (sync.read_metrics)."""
     made = []
     for path in glob.glob(os.path.join(run_dir, "rollout-*.log")):
         with open(path) as f:
@@ -71,9 +74,7 @@ def seed_floor(run_dir, step, prompt_lens, prefix, config, best, G, T):
         gen += floor_cpu_s(*work(config, lens, prefix, n * G, T), best)
     layer, head = model_shapes(config)
     train = 0.0
-    for m in sync.read_metrics(os.path.join(run_dir, "bucket")):
-        if m["step"] > step:
-            continue
+    for m in (m for m in metrics if m["step"] <= step):
         # the step's forward: each prompt once (the common prefix once), every completion token;
         # the LM head on the completion tokens; the backward through the frozen maps as much again
         rows = prefix + sum(n - prefix for n in prompt_lens[:m["groups"]]) + m["tokens"]
@@ -82,6 +83,19 @@ def seed_floor(run_dir, step, prompt_lens, prefix, config, best, G, T):
             mm[(rows, i, o)] = mm.get((rows, i, o), 0) + config.num_hidden_layers
         train += 2 * floor_cpu_s(mm, 0, best)
     return sum(made), gen, train
+
+
+def needed(rows, ratio, with_start):
+    """The least fraction e of the floor at which the median of (floor / e [+ start]) / TRL's
+    time is at most `ratio` (bisection: the median falls as e grows); "> 1": not even at it."""
+    def median_at(e):
+        return statistics.median((f / e + with_start * s) / t for f, s, t in rows)
+    if median_at(1.0) > ratio:
+        return f"> 1 (median {median_at(1.0):.3f}x at the floor)"
+    lo, hi = 1e-3, 1.0
+    for _ in range(50):
+        lo, hi = (lo, (lo + hi) / 2) if median_at((lo + hi) / 2) <= ratio else ((lo + hi) / 2, hi)
+    return f"{hi:.2f}"
 
 
 def main(argv=None):
@@ -118,15 +132,15 @@ def main(argv=None):
             continue
         with open(os.path.join(a.race, f"seed-{seed}", "ours.json")) as f:
             ours = json.load(f)
-        made, gen, train = seed_floor(ours["run_dir"], step, [len(x) for x in prompts], prefix,
-                                      config, best, G, T)
+        metrics = sync.read_metrics(os.path.join(ours["run_dir"], "bucket"))
+        made, gen, train = seed_floor(ours["run_dir"], metrics, step, [len(x) for x in prompts],
+                                      prefix, config, best, G, T)
         with open(os.path.join(ours["run_dir"], "proxy.log")) as f:
             counts = re.search(r"stopped: ({.*?})", f.read())
         c = ast.literal_eval(counts.group(1)) if counts else {}
         stale = c.get("dropped_stale", 0) / max(1, c.get("received", 0))
         # the start-up: the training banner to the trainer's first wait for groups
-        first = next(m for m in sync.read_metrics(os.path.join(ours["run_dir"], "bucket"))
-                     if m["step"] == 1)
+        first = next(m for m in metrics if m["step"] == 1)
         start = ours["curve"][0]["t"] - first["wait_s"] - first["compute_s"]
         floor = (gen + train) / a.threads
         rows.append((floor, start, t_trl))
@@ -138,21 +152,10 @@ def main(argv=None):
         print(f"median bound {statistics.median(f / t for f, _, t in rows):.3f}x over {len(rows)} "
               f"seeds (measured {race['median_ratio']:.3f}x). For a median of {a.ratio}x "
               f"both roles must run at {needed(rows, a.ratio, False)} of the floor with nothing "
-              f"else; "
-              f"{needed(rows, a.ratio, True)} with ours' start-up as measured")
+              f"else; {needed(rows, a.ratio, True)} with ours' start-up as measured")
 
 
-def needed(rows, ratio, with_start):
-    """The least fraction e of the floor at which the median of (floor / e [+ start]) / TRL's
-    time is at most `ratio` (bisection: the median falls as e grows); "> 1": not even at it."""
-    def median_at(e):
-        return statistics.median((f / e + with_start * s) / t for f, s, t in rows)
-    if median_at(1.0) > ratio:
-        return f"> 1 (median {median_at(1.0):.3f}x at the floor)"
-    lo, hi = 1e-3, 1.0
-    for _ in range(50):
-        lo, hi = (lo, (lo + hi) / 2) if median_at((lo + hi) / 2) <= ratio else ((lo + hi) / 2, hi)
-    return f"{hi:.2f}"
+
 
 if __name__ == "__main__":
     main()

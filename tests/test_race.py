@@ -234,8 +234,8 @@ def test_race_floor_prices_the_batches_and_steps_before_the_target(tmp_path):
     maps = [(8, 8), (8, 4), (8, 4), (8, 8), (8, 16), (8, 16), (16, 8)]
     best = {io: R for io in set(maps) | {(8, 32)}}
     prompt_lens, prefix, G, T = [6, 7], 4, 2, 3
-    made, gen, train = race_floor.seed_floor(str(tmp_path), 2, prompt_lens, prefix, config,
-                                             best, G, T)
+    made, gen, train = race_floor.seed_floor(str(tmp_path), sync.read_metrics(bucket), 2,
+                                             prompt_lens, prefix, config, best, G, T)
     assert made == 5
     expected_gen = 0.0
     for n in (3, 2):
@@ -246,3 +246,13 @@ def test_race_floor_prices_the_batches_and_steps_before_the_target(tmp_path):
     rows = [4 + 2 + 3 + tokens for tokens in (7, 9)]  # the prefix, each prompt's rest, completions
     assert train == pytest.approx(sum(2 * (r * per_row + 2 * t * 8 * 32) / R
                                       for r, t in zip(rows, (7, 9))))
+
+
+def test_race_floor_solves_for_the_fraction_of_the_floor_a_median_ratio_needs():
+    import race_floor
+
+    rows = [(10.0, 10.0, 100.0), (10.0, 10.0, 100.0), (40.0, 0.0, 100.0)]  # (floor, start, TRL)
+    # the median seed at 10 / e / 100 <= 0.2: e >= 0.5; with its 10 s start-up, e >= 1
+    assert race_floor.needed(rows, 0.2, False) == "0.50"
+    assert race_floor.needed(rows, 0.2, True) == "1.00"
+    assert race_floor.needed(rows, 0.05, False).startswith("> 1 (median 0.100x")
