@@ -39,104 +39,31 @@ ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
 """
 
 import collections
-import importlib
+import json
+import logging
+import os
+import signal
+import sys
 import threading
 import time
 
-from proxy_http import RETRY_AFTER_S, ApiError
-# RolloutBuffer's lease sizing and add()'s checks (their constants re-exported: proxy.SLOWER)
-from proxy_leases import (LEASE_FLOOR_S, LEASE_SLACK, PROBE, SLOWER, AddChecks,  # noqa: F401
-                          LeaseSizing, group_bytes)
+from support.contract import CONTRACT, MAX_ABS, MAX_NAME, NAME, ConfigError
+from support.http_hardening import RETRY_AFTER_S, ApiError
+# RolloutBuffer's lease sizing and add()'s checks: mixins, their bodies in support/leases.py
+from support.leases import PROBE, AddChecks, LeaseSizing, group_bytes
+from support.cli import proxy_args
+from support.proxy_service import ProxyHandler, ProxyServer, body_limit, replica_token, settle
 
-# the support half (proxy.serve, proxy.ProxyClient, ... resolve there: __getattr__ at the end)
-SUPPORT = ("proxy_server", "proxy_client", "proxy_http")
+log = logging.getLogger("proxy")
 
-MAX_NAME = 256          # characters in a group_id or a worker name
-MAX_COMPLETIONS = 4096  # completions in one group
-MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
-MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
-MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
 # counted in total and per worker
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
 
 
-class ConfigError(ValueError):
-    """A serve() setting that cannot work; the message says what to change."""
-
-
-# ---- ALGO: the run's state. 1. the contract  2. the group record  3. the buffer
-#           4. the version handshake (all of it under one lock, in RolloutBuffer)
-
-# The settings every role must share (TRL's names), and their defaults. proxy.py takes them as
-# flags; rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
-CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0,
-            "max_completion_length": 256, "zero_variance": "keep", "max_prompt_length": 1024,
-            "reward_range": [0.0, 1.0],
-            "max_new_tokens": 256}  # max_completion_length's old name, kept equal to it
-OLD_NAMES = {"max_new_tokens": "max_completion_length"}  # still a flag, served, and accepted
-CONTRACT_HELP = {
-    "num_generations": "completions per prompt, G",
-    "groups_per_step": "groups the trainer takes per optimizer step, B",
-    "max_staleness": "a group of version v is usable while trainer_version - v <= this "
-                     "(0: synchronous)",
-    "temperature": "sampling temperature (the trainer divides its logits by it)",
-    "max_completion_length": "longest completion, in tokens (old name: --max-new-tokens)",
-    "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop "
-                     "(DAPO)",
-    "max_prompt_length": "longest prompt a group may carry, in tokens (TRL's old GRPOConfig name)",
-    "reward_range": "LO HI: every reward lies in [LO, HI] (every task here scores 0 or 1)"}
-# The settings a role may also be given as flags, only to double-check GET /config (one that
-# disagrees is an error: ProxyClient.contract). Each role takes those it has.
-CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature",
-                  "max_completion_length")
-
-
-# ---- ALGO, 2. the group record: the one definition of a group (make_group builds it, the
-# proxy checks it field by field in proxy_server.validate_group, trainer.flatten_groups reads it)
-
-# The JSON schema, one row per field: (test, what the value must be). Any other field is refused, so
-# that a NaN cannot ride along. Each log-prob gets its own check in validate_group().
-INDEX = (lambda v: type(v) is int and 0 <= v < MAX_INT,  # a token id or a version
-         f"an integer in [0, {MAX_INT})")
-FINITE = (lambda v: type(v) in (int, float) and -MAX_ABS < v < MAX_ABS,  # not a bool; NaN fails
-          "a finite number")
-NAME = (lambda v: type(v) is str and 0 < len(v) <= MAX_NAME,
-        f"a string of 1 to {MAX_NAME} characters")
-TEXT = (lambda v: type(v) is str, "a string")
-TOKEN_IDS = (lambda v: type(v) is list and all(map(INDEX[0], v)),
-             f"a list of token ids in [0, {MAX_INT})")
-GROUP = {"group_id": NAME,  # unique: a group_id seen before is a retry
-         "policy_version": INDEX,  # the adapter version that sampled it
-         "worker": NAME,  # the replica's name (replica-{i})
-         "prompt": TEXT, "prompt_ids": TOKEN_IDS,  # the chat-templated prompt, and its ids
-         "temperature": (lambda v: FINITE[0](v) and v > 0, "a number > 0"),
-         # the run's; a group may carry it as max_new_tokens (the old name) too, or instead
-         "max_completion_length": (lambda v: INDEX[0](v) and v > 0, "an integer > 0"),
-         "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
-                         f"a list of 1 to {MAX_COMPLETIONS} completions")}  # G of COMPLETION
-COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the first EOS
-              "logprobs": (lambda v: type(v) is list, "a list of numbers"),  # one per id, sampler's
-              "reward": FINITE, "text": TEXT,
-              "finish_reason": (lambda v: type(v) is str and 0 < len(v) <= 64,  # stop or length
-                                "a string of 1 to 64 characters")}
-
-
-def make_group(*, group_id, policy_version, worker, prompt, prompt_ids, temperature,
-               max_completion_length, completions):
-    """A group record with exactly GROUP's fields: what a replica POSTs (rollout.Replica.batch)."""
-    return {"group_id": group_id, "policy_version": policy_version, "worker": worker,
-            "prompt": prompt, "prompt_ids": list(prompt_ids), "temperature": temperature,
-            "max_completion_length": max_completion_length, "completions": completions}
-
-
-def make_completion(*, ids, logprobs, reward, text, finish_reason):
-    """One completion of a group, with exactly COMPLETION's fields."""
-    return {"ids": list(ids), "logprobs": list(logprobs), "reward": reward, "text": text,
-            "finish_reason": finish_reason}
-
-
-# ---- ALGO, 3. and 4.: the buffer and the version handshake, under one lock
+# ---- ALGO: the run's state. The contract and the group record every role shares are defined in
+# support/contract.py (CONTRACT, GROUP); here: 3. the buffer  4. the version handshake (all of it
+# under one lock, in RolloutBuffer)
 
 class Lease:
     """What /quota gave a replica: n groups still to come (0: asking), counted as coming until
@@ -419,18 +346,88 @@ class RolloutBuffer(LeaseSizing, AddChecks):
                     "uptime_s": round(time.time() - self.started, 1)}
 
 
-# ---- SUPPORT: validation, credentials, the HTTP routes, serve() and the CLI in proxy_server.py;
-# ProxyClient in proxy_client.py; the stdlib HTTP hardening in proxy_http.py; RolloutBuffer's
-# lease sizing and add()'s checks in proxy_leases.py
+# ---- SUPPORT: serve() and main(), the wiring. The command line: support/cli.py. The HTTP routes, credentials and the stdlib
+# hardening: support/proxy_service.py and support/http_hardening.py
 
-def __getattr__(name):
-    """proxy.X for a name of the support half (proxy.serve, proxy.ProxyClient, ...), from the
-    SUPPORT modules, imported on first use (they import this module)."""
-    for module in map(importlib.import_module, SUPPORT):
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module 'proxy' has no attribute {name!r}")
+def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None,
+          token=None, rollout_token=None, request_timeout=30.0, max_connections=256,
+          lease_timeout=120.0, log_every=60.0, **contract):
+    """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1].
+    **contract: CONTRACT's keys (GET /config serves them)"""
+    token, rollout_token = token or None, rollout_token or None
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or "
+                          "--token (or listen on 127.0.0.1)")
+    if rollout_token and (rollout_token == token or not token):
+        raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token "
+                          "(PROXY_TOKEN): the trainer's token opens every endpoint, the replicas' "
+                          "only theirs")
+    body_mb = 1 if max_body_mb is None else max_body_mb
+    limits = (max_groups, max_buffer_mb, body_mb, request_timeout, max_connections)
+    if min(limits) <= 0 or set(contract) - set(CONTRACT):
+        raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, "
+                          "--max-connections must be > 0; unknown settings "
+                          f"{sorted(set(contract) - set(CONTRACT))}")
+    buffer = RolloutBuffer(settle(contract), max_groups, int(max_buffer_mb * 2**20),
+                           lease_timeout=lease_timeout)
+    max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
+    # the state of this server bound to its handler class: no module globals
+    handler = type("BoundProxyHandler", (ProxyHandler,), dict(
+        buffer=buffer, token=token, rollout_token=rollout_token, max_body=max_body,
+        timeout=request_timeout))
+    server = ProxyServer((host, port), handler, max_connections, log_every)
+    thread = threading.Thread(target=server.serve_forever, args=(0.2,), name="proxy", daemon=True)
+    thread.start()
+    return server, thread
+
+
+# ---- the command line: `python proxy.py ...`
+
+def main(argv=None):
+    args = vars(proxy_args(argv))  # support/cli.py: every flag, with its help
+    if worker := args.pop("print_replica_token"):
+        if not args["rollout_token"] or not NAME[0](worker):
+            sys.exit("proxy.py: error: --print-replica-token needs ROLLOUT_TOKEN (or "
+                     f"--rollout-token) and a worker name of 1 to {MAX_NAME} characters")
+        print(replica_token(args["rollout_token"], worker))
+        return
+    linger, stats_file = args.pop("linger"), args.pop("stats_file")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+    try:
+        server, thread = serve(**args)
+    except ConfigError as e:
+        sys.exit(f"proxy.py: error: {e}")
+    except OSError as e:
+        sys.exit(f"proxy.py: error: cannot listen on {args['host']}:{args['port']}: {e}")
+    buf = server.buffer
+    tokens = "required, and the replicas' own" if args["rollout_token"] \
+        else "required" if args["token"] else "off"
+    log.info("proxy: listening on http://%s:%d (token %s), contract %s", args["host"],
+             server.server_address[1], tokens, json.dumps(buf.contract))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
+    try:
+        while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
+            thread.join(0.5)
+            with buf.cond:
+                told = set(buf.leases) <= buf.told_done
+                quiet = time.monotonic() - buf.last_request > linger
+            if buf.done and (told or quiet):
+                why = "every replica was told" if told else f"no request for {linger:g} s"
+                log.info("proxy: the trainer is done and %s: exiting", why)
+                break
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()
+    server.server_close()
+    log.info("proxy: stopped: %s", {k: v for k, v in buf.stats().items() if type(v) is int})
+    if stats_file:  # what the run ends with, also when it ended before anyone asked /stats
+        with open(stats_file + ".part", "w") as f:
+            json.dump(buf.stats(), f)
+        os.replace(stats_file + ".part", stats_file)
+
 
 
 if __name__ == "__main__":
-    importlib.import_module("proxy_server").main()  # the CLI, with the module state in `proxy`
+    main()
+

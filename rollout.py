@@ -32,15 +32,20 @@ Decisions:
 5. A completion ends at and includes its first EOS ("stop"), else it ran out of tokens ("length").
 """
 
-import importlib
+import json
 import os
+import sys
 import time
 import uuid
 
 import sync
-from engines import HFEngine, Sample, VLLMEngine, vllm_rank  # noqa: F401 (step 3's engines)
-from proxy import make_completion, make_group
-from tasks import load_task, reward, shard_order  # the tasks and their rewards
+from support.buckets import BucketError, CorruptAdapter, open_bucket
+from support.cli import replica_args
+from support.contract import CONTRACT_FLAGS, make_completion, make_group
+from support.engines import adapter_rank, make_engine, pick_engine
+from support.evaluate import run_eval
+from support.proxy_client import ProxyClient, ProxyError
+from support.tasks import TaskError, chat_prompt, load_task, reward, shard_order
 
 # Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The
 # driver's way runs cuInit here; vLLM then still forks its EngineCore (it spawns only once
@@ -48,7 +53,8 @@ from tasks import load_task, reward, shard_order  # the tasks and their rewards
 # subprocess" (vLLM issue 15681). Set before anything in this process imports torch.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-SUPPORT = "rollout_cli"  # the start, --eval, the CLI (rollout.main etc. resolve there)
+# the settings a replica takes from the proxy; a flag given here only double-checks them
+REPLICA_FLAGS = tuple(k for k in CONTRACT_FLAGS if k != "groups_per_step")  # it takes no step
 
 
 # ---- ALGO: 1. ask the proxy  2. maybe reload the adapter  3. sample  4. score and push
@@ -87,7 +93,7 @@ class Replica:
             # verified against its manifest; with an adapter in hand, one look (no waiting)
             t0, timeout = time.time(), 60.0 if self.version is None else 0
             path = self.cache_dir.pull(self.bucket, latest, timeout=timeout)
-        except sync.BucketError as e:
+        except BucketError as e:
             # keep generating with the (verified) adapter in hand, look again on the next step
             return self.keep_serving(latest, e)
         t1 = time.time()
@@ -164,16 +170,16 @@ class Replica:
     # the replica's logs, below the step: not needed to follow it
 
     def keep_serving(self, latest, e):
-        """A refresh that failed (sync.BucketError e): keep the adapter in hand (with none in
+        """A refresh that failed (BucketError e): keep the adapter in hand (with none in
         hand: raise); each reason said once."""
         if self.version is None:
             raise e
         serving = f"still serving v{self.version}: {e}"
         if latest is None:  # LATEST unreadable: the bucket is down (not a mount's lag)
             self.log(f"cannot check the bucket for a newer adapter, {serving}")
-        elif isinstance(e, sync.CorruptAdapter) and self.corrupt != latest:  # not a lag: once
+        elif isinstance(e, CorruptAdapter) and self.corrupt != latest:  # not a lag: once
             self.log(f"adapter v{latest} is corrupt, {serving}")
-        self.corrupt = latest if isinstance(e, sync.CorruptAdapter) else self.corrupt
+        self.corrupt = latest if isinstance(e, CorruptAdapter) else self.corrupt
 
     def log_batch(self, groups, reply, gen_s):
         """One line per batch; returns what it says (the tests read it)."""
@@ -190,28 +196,87 @@ class Replica:
         return s
 
 
-# ---- ALGO, step 3: sampling (the engines' generate)
-# engine.generate(prompt_ids_list, n, max_new_tokens, temperature) returns one list per prompt of
-# n Samples (ids, logprobs, text, finish_reason): ids cut at and including the first EOS, each
-# id's log-prob under softmax(logits / T). The engines, vLLM and transformers + peft: engines.py.
+# ---- SUPPORT: the start and main(), the wiring. The engine's choice: support/engines.py; the
+# flags: support/cli.py; --eval: support/evaluate.py
 
-def chat_prompt(tokenizer, question):
-    """The chat-templated prompt text and its token ids (what the engine is fed)."""
-    if not tokenizer.chat_template:  # a base model: the question as is
-        text = question
-    else:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                             add_generation_prompt=True, tokenize=False)
-    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+class RolloutError(Exception):
+    """A replica that cannot work as configured; the message says what to change."""
 
 
-# ---- SUPPORT: the engine's choice, the start, --eval and the CLI are in rollout_cli.py
+def take_contract(args, client):
+    """The run's settings are the proxy's: set them on args (an explicit flag that differs is an
+    error)."""
+    contract = client.contract(**{k: getattr(args, k) for k in REPLICA_FLAGS})
+    vars(args).update({k: contract[k] for k in REPLICA_FLAGS})
+    args.post_groups = contract["groups_per_step"]  # the most groups a POST carries
+    print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
-def __getattr__(name):
-    """rollout.X for a name of rollout_cli.py (rollout.main, rollout.parse_args, ...), imported on
-    first use (it imports this module)."""
-    return getattr(importlib.import_module(SUPPORT), name)
+
+def run_replica(args):
+    """The start: the run's settings, the engine (while the trainer starts), adapter v0; then
+    Replica.step until done."""
+    name = f"replica-{args.replica_id}"
+    bucket = open_bucket(args.bucket)
+    # token default: env PROXY_TOKEN
+    client = ProxyClient(args.proxy, token=args.token, max_wait=args.proxy_wait)
+    take_contract(args, client)  # a wrong URL or token ends here, before a model is loaded
+    # a temporary folder unless --cache-dir: removed at exit
+    cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-")
+    # the engine while the trainer starts, unless it needs v0's LoRA rank (vLLM without
+    # --max-lora-rank): the start of a run is the two roles' model loads side by side
+    engine = None
+    if args.max_lora_rank or pick_engine(args.engine)[0] != "vllm":
+        engine = make_engine(args, args.max_lora_rank)
+    # the trainer publishes v0 before its first step
+    if (first := sync.latest_version(bucket)) is None:
+        print(f"[{name}] waiting for adapter v0 in {bucket.url}", flush=True)
+    while first is None:
+        time.sleep(args.poll_interval)
+        first = sync.latest_version(bucket)
+    path = cache_dir.pull(bucket, first)
+    with open(os.path.join(path, sync.MANIFEST)) as f:
+        base = json.load(f).get("base_model")  # the trainer's --model
+    if base and base != args.model:  # the same model can live under two names: the load decides
+        print(f"[{name}] note: adapter v{first} was trained on --model {base}, this replica "
+              f"runs --model {args.model}", flush=True)
+    engine = engine or make_engine(args, adapter_rank(path))
+    replica = Replica(args, engine, bucket, client, cache_dir)
+    try:
+        replica.refresh()  # the first load: an adapter trained on another base model fails here
+    except (RuntimeError, ValueError) as e:
+        why = str(e).strip().splitlines()[0][:160]
+        raise RolloutError(f"the adapters in {bucket.url} (trained on --model {base}) do not fit "
+                           f"--model {args.model} ({why}): start rollout.py with the "
+                           "trainer's --model") from None
+    while (args.max_batches == 0 or replica.batches < args.max_batches) and replica.step():
+        pass
+
+
+def eval_adapter(args):
+    """--eval --adapter latest|N: (version, the folder it was pulled into); (None, None) for
+    base."""
+    if args.adapter == "base":
+        return None, None
+    if not args.bucket:
+        raise BucketError("--eval --adapter latest|N needs --bucket (a directory or "
+                          "s3://bucket/prefix)")
+    bucket = open_bucket(args.bucket)
+    version = sync.latest_version(bucket) if args.adapter == "latest" else int(args.adapter)
+    if version is None:
+        raise BucketError(f"no adapter in {bucket.url} yet: train first or use --adapter base")
+    cache_dir = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-")
+    return version, cache_dir.pull(bucket, version)
+
+
+def main(argv=None):
+    args = replica_args(argv)  # support/cli.py: every flag, with its help
+    try:
+        run_eval(args, *eval_adapter(args)) if args.eval else run_replica(args)
+    except (ProxyError, BucketError, RolloutError, TaskError) as e:
+        sys.exit(f"rollout.py: error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":  # the guard vLLM needs: its engine spawns processes
-    importlib.import_module(SUPPORT).main()  # the CLI, with the module state in `rollout`
+    main()

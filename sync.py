@@ -29,6 +29,7 @@ read from it is checked, and a value that does not fit is a BucketError, never a
     python -m pytest tests/test_sync.py -q ; python bench/bench_sync.py
 """
 
+import argparse
 import atexit
 import json
 import os
@@ -40,12 +41,11 @@ import tempfile
 import threading
 import time
 
-# the backends, the trainer state, the metrics and the CLI: sync_support.py (not needed to follow
-# a hand-off)
-from sync_support import (LATEST, MANIFEST, BucketError, CorruptAdapter, DirBucket, _entry, _open,
-                          _safe_name, main)
-from sync_support import (TEMP_MAX_AGE_S, append_metrics, load_trainer_state,  # noqa: F401
-                          open_bucket, read_metrics, save_trainer_state)  # what other code imports
+# the backends (a directory, S3), the verified fetch, the trainer's resume state and metrics:
+# support/buckets.py (not needed to follow a hand-off)
+from support.buckets import (LATEST, MANIFEST, METRICS_KEY, BucketError, DirBucket,
+                             as_bucket, fetch_verified, manifest_entry, open_bucket, read_metrics,
+                             safe_name, current_state_id, verified_local)
 
 VERSION_KEY = re.compile(r"^adapters/v(\d{6,})/")
 MAX_VERSION = 2**31  # versions are < 2^31, as the proxy's
@@ -60,11 +60,11 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
     step), then adapters/LATEST; then delete all but the newest `keep` versions (None keeps all).
     Returns the manifest. Versions are immutable: an existing one, or one not newer than LATEST,
     is refused."""
-    b, src = _open(bucket), DirBucket(adapter_dir)
+    b, src = as_bucket(bucket), DirBucket(adapter_dir)
     if not isinstance(version, int) or not 0 <= version < MAX_VERSION:
         raise BucketError(f"adapter version must be an int in [0, 2^31), got {version!r}")
     # the adapter's own files (a pulled copy also holds a manifest and the pull's mark)
-    files = {_safe_name(adapter_dir, n): src.read(n) for n in src.list()
+    files = {safe_name(adapter_dir, n): src.read(n) for n in src.list()
              if "/" not in n and n != MANIFEST and not n.startswith(".")}
     if not files:
         raise BucketError(f"{adapter_dir} holds no files (or is not a folder): pass the folder "
@@ -80,7 +80,7 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
     for name, data in files.items():
         b.write(prefix + name, data)
     manifest = {**meta, "version": version, "created": time.time(),
-                "files": {n: _entry(d) for n, d in files.items()}}
+                "files": {n: manifest_entry(d) for n, d in files.items()}}
     b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
     b.write(LATEST, json.dumps({"version": version}).encode())
     for old in versions(b)[:-max(1, keep)] if keep is not None else []:
@@ -95,7 +95,7 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
 def latest_version(bucket):
     """The version adapters/LATEST names; None when nothing was published (or LATEST is torn on a
     mount); BucketError when it holds anything but {"version": N} with an int N >= 0."""
-    b = _open(bucket)
+    b = as_bucket(bucket)
     try:
         value = json.loads(raw := b.read(LATEST))
     except (ValueError, TypeError):  # TypeError: json.loads(None), no LATEST
@@ -111,7 +111,7 @@ def latest_version(bucket):
 def versions(bucket):
     """Sorted adapter versions that have at least one key in the bucket (complete or not);
     BucketError for a folder numbered 2^31 or more (a number trainer.py never publishes)."""
-    b = _open(bucket)
+    b = as_bucket(bucket)
     found = sorted({int(m.group(1)) for k in b.list("adapters/v")
                     if (m := VERSION_KEY.match(k))})
     if found and found[-1] >= MAX_VERSION:
@@ -123,11 +123,11 @@ def versions(bucket):
 def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     """dest_dir/v{version:06d} once every file matches the manifest (retrying up to timeout s,
     then BucketError naming bucket, version and file). A verified local copy costs no transfer."""
-    b, name, dest_dir = _open(bucket), f"v{version:06d}", os.fspath(dest_dir)
+    b, name, dest_dir = as_bucket(bucket), f"v{version:06d}", os.fspath(dest_dir)
     dest = os.path.join(dest_dir, name)
-    if _verified_local(dest):
+    if verified_local(dest):
         return dest
-    files = _fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
+    files = fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
     os.makedirs(dest_dir, exist_ok=True)
     if os.path.exists(dest) and not os.path.exists(os.path.join(dest, PULLED)):
         raise BucketError(f"{dest} exists and was not made by sync.py (no {PULLED} in it): move it "
@@ -136,12 +136,12 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     try:
         for fname, data in {**files, PULLED: b""}.items():
             DirBucket(tmp).write(fname, data)
-        if os.path.exists(dest) and not _verified_local(dest):
+        if os.path.exists(dest) and not verified_local(dest):
             shutil.rmtree(dest, ignore_errors=True)  # ours (marked), but torn or changed since
         try:
             os.rename(tmp, dest)  # the whole folder at once: nobody sees half of it
         except OSError:  # another thread or process got there first
-            if not _verified_local(dest):
+            if not verified_local(dest):
                 raise BucketError(f"could not put adapter {name} into {dest}: remove that "
                                   "folder") from None
     finally:
@@ -149,62 +149,7 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     return dest
 
 
-# ---- SUPPORT: the verified fetch (it waits out a mount's lag), the replica's cache of pulls
-# (AdapterCache), then the command line
-
-def _fetch_verified(b, prefix, timeout, what):
-    """_try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed.
-    CorruptAdapter when the last look found other bytes than the manifest's, else BucketError."""
-    deadline, delay = time.monotonic() + timeout, 0.05
-    files, problem, corrupt = _try_fetch(b, prefix)
-    # the backoff of Bucket._retrying: a mount catching up shows the files within seconds
-    while files is None and (left := deadline - time.monotonic()) > 0:
-        if delay == 0.05:  # one line per wait, on the role's stderr
-            print(f"sync.py: {b.url}: waiting for {what}: {problem}", file=sys.stderr, flush=True)
-        time.sleep(min(delay, left))
-        delay = min(2 * delay, 2.0)
-        files, problem, corrupt = _try_fetch(b, prefix)
-    if corrupt:
-        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; its writer (or someone with "
-                             "write access to the bucket) changed it after its manifest: the next "
-                             "version replaces it")
-    if files is None:
-        raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {problem}; check "
-                          f"that the writer finished (python sync.py ls {b.url}) and was not "
-                          "pruned, or raise the timeout")
-    return files
-
-
-def _try_fetch(b, prefix):
-    """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
-    manifest, None, False) when all match, else (None, what is wrong, e.g. "KEY is missing",
-    corrupt: True when a file has as many bytes as listed or more, yet other ones: no lag does
-    it)."""
-    raw = b.read(prefix + MANIFEST)
-    try:  # json.loads(None) is a TypeError: a missing manifest lands here too
-        entries = {n: {"sha256": e["sha256"], "bytes": e["bytes"]}
-                   for n, e in json.loads(raw)["files"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
-        why = "is missing" if raw is None else "is not a complete manifest"
-        return None, f"{prefix}{MANIFEST} {why}", False
-    files = {MANIFEST: raw}
-    for name, entry in sorted(entries.items()):
-        data = files[name] = b.read(prefix + _safe_name(f"{b.url}: {prefix}{MANIFEST}", name))
-        if data is None:
-            return None, f"{prefix}{name} is missing", False
-        if _entry(data) != entry:
-            # fewer bytes than listed: a mount still filling it in; as many or more: changed
-            corrupt = not isinstance(entry["bytes"], int) or len(data) >= entry["bytes"]
-            return None, (f"{prefix}{name} has {len(data)} bytes not matching the manifest "
-                          f"({entry['bytes']} bytes, sha256)"), corrupt
-    return files, None, False
-
-
-def _verified_local(folder):
-    """True when a local folder holds a manifest.json and every file it lists, bytes matching."""
-    return _try_fetch(DirBucket(folder), "")[0] is not None
-
-
+# ---- SUPPORT: the replica's cache of pulls (AdapterCache), then the command line
 
 class AdapterCache:
     """Where a replica pulls adapters; os.fspath(cache) is the folder. A given folder (rollout.py
@@ -249,7 +194,71 @@ class AdapterCache:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-# ---- SUPPORT: the command line, python sync.py ls|pull|push|metrics (sync_support.main)
+# ---- the command line: python sync.py ls|pull|push|metrics
+
+def listing(bucket):
+    """The table `python sync.py ls` prints."""
+    b = as_bucket(bucket)
+    latest, now = latest_version(b), time.time()
+    lines = [f"{b.url}: LATEST = {'none' if latest is None else f'v{latest:06d}'}",
+             f"{'version':<9} {'files':>5} {'size':>10} {'age':>8} {'step':>6}"]
+    for v in versions(b):
+        raw, mark = b.read(f"adapters/v{v:06d}/{MANIFEST}"), " <- LATEST" if v == latest else ""
+        try:  # json.loads(None): no manifest yet
+            m = json.loads(raw)
+            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+            age = now - m.get("created", now)
+            lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {age:>7.0f}s "
+                         f"{str(m.get('step', '-')):>6}{mark}")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            lines.append(f"v{v:06d}   (incomplete: no readable manifest.json){mark}")
+    steps = [k for k in b.list("metrics/") if METRICS_KEY.match(k)]
+    lines.append(f"trainer state: {current_state_id(b) or 'none'}; metrics records: {len(steps)}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """python sync.py ls|pull|push|metrics BUCKET ..."""
+    p = argparse.ArgumentParser(description="Inspect and move LoRA adapters in a run's bucket.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list adapter versions with sizes, ages and LATEST")
+    pull = sub.add_parser("pull", help="download and verify one adapter version")
+    push = sub.add_parser("push", help="publish a PEFT adapter folder as a new version")
+    metrics = sub.add_parser("metrics",
+                             help="print the trainer's step records as JSON lines, oldest first")
+    for cmd in (ls, pull, push, metrics):
+        cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
+    pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")
+    pull.add_argument("--version", type=int, default=None, help="version to pull (default: LATEST)")
+    pull.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds to keep retrying while the files do not match the manifest")
+    push.add_argument("dir", help="folder with adapter_config.json and adapter_model.safetensors")
+    push.add_argument("--version", type=int, required=True,
+                      help="version number, newer than LATEST")
+    push.add_argument("--keep", type=int, default=6,
+                      help="newest versions kept; older ones are deleted")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "ls":
+            print(listing(args.bucket))
+        elif args.cmd == "metrics":
+            for record in read_metrics(args.bucket):
+                print(json.dumps(record))
+        elif args.cmd == "pull":
+            b = open_bucket(args.bucket)
+            version = latest_version(b) if args.version is None else args.version
+            if version is None:
+                raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one "
+                                  "first (python sync.py push BUCKET DIR --version 0)")
+            print(pull_adapter(b, version, args.dest, timeout=args.timeout))
+        else:
+            m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep)
+            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+            print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to "
+                  f"{args.bucket}")
+    except BucketError as e:
+        sys.exit(f"sync.py: error: {e}")
+
 
 if __name__ == "__main__":
     main()

@@ -65,15 +65,14 @@ import torch
 
 import grpo_loss
 import sync
-from proxy import CONTRACT_FLAGS, ProxyClient, ProxyError  # CONTRACT_FLAGS: read in train()
-# the model, resume, CLI, hardening and the step's record: trainer_support.py (not needed to
-# follow a step)
-from trainer_support import (StepStats, TrainerError, Waiting, by_group, collate, log_step,
-                             lora_parameters, make_microbatches, name_absurd, parse_args,
-                             start_run, usable, write_state)
-from trainer_support import (ABSURD_RATIO, DELTA, build_model, group_problem,  # noqa: F401
-                             restore_state, starting_version)  # what tests and benches import
-
+from support.buckets import BucketError, open_bucket, save_trainer_state
+from support.cli import trainer_args
+from support.contract import CONTRACT_FLAGS  # the settings read from the proxy in train()
+from support.group_checks import Waiting, usable  # what a hostile replica's group cannot do
+from support.proxy_client import ProxyClient, ProxyError
+from support.shared_prompt import by_group, make_microbatches, plain_logprobs_fast
+from support.step_record import StepStats, log_step, name_absurd  # metrics, the log line
+from support.trainer_state import TrainerError, lora_parameters, start_run, write_state
 
 
 # ---- ALGO: 1. take a batch  2. advantages  3. log-probs  4. loss  5. publish
@@ -111,8 +110,8 @@ def flatten_groups(groups, max_completion_length):
 
 # ---- ALGO, 2. advantages: grpo_loss.group_advantages (called in train)
 # ---- ALGO, 3. log-probs of the completions under the current policy. plain_logprobs is the
-# definition; completion_logprobs, which the step runs, gives the same values and gradients with
-# each prompt forwarded once (tests/test_shared_prompt.py checks them equal)
+# definition; the step runs plain_logprobs_fast (support/shared_prompt.py), the same values and
+# gradients with each group's prompt forwarded once (tests/test_shared_prompt.py checks them equal)
 
 def plain_logprobs(model, seqs, idx, temperature=1.0):
     """Log-probs (n, C) of the completion tokens of rows idx: each row [pad.. prompt | completion
@@ -133,41 +132,15 @@ def plain_logprobs(model, seqs, idx, temperature=1.0):
     return grpo_loss.token_logprobs(logits, input_ids[:, P:].to(device), temperature)  # (n, C)
 
 
-def completion_logprobs(model, mb, temperature=1.0):
-    """plain_logprobs, each prompt token through the model once: (n, C) log-probs of the completion
-    tokens of micro-batch mb, in collate's layout: prefix_ids (1, L) the prompts' common prefix,
-    prompt_ids (k, P) the rest of each group's prompt (left-padded), completion_ids (n, C)
-    (right-padded), row_prompt (n,) the prompt row each completion continues.
-
-    1. The common prefix of the prompts (one row), its KV cache repeated for the k prompts.
-    2. The rests of the k prompts on top of it: their KV cache, and the logits of their last
-       position, which predict the first token of each of their completions.
-    3. The cache repeated for each prompt's completions (k -> n rows), and the completions forwarded
-       on top of it. The gradient reaches the prompts' activations through the caches, so values and
-       gradients are those of one [prompt | completion] pass per row, with the prompts' compute
-       done once instead of G times. The last completion token predicts nothing we need: left out.
-    """
-    cache = None  # use_cache=True below: the base config says False (build_model)
-    if mb["prefix_ids"].shape[1]:
-        cache = model(input_ids=mb["prefix_ids"], use_cache=True,
-                      logits_to_keep=1).past_key_values  # (1, h, L, d) per layer
-        # each layer's keys/values -> (k, h, L, d)
-        cache.batch_repeat_interleave(mb["prompt_ids"].shape[0])
-    out = model(input_ids=mb["prompt_ids"], attention_mask=mb["prompt_mask"],
-                position_ids=mb["prompt_positions"], past_key_values=cache, use_cache=True,
-                logits_to_keep=1)  # logits (k, 1, V); cache (k, h, L + P, d) per layer
-    first = out.logits[mb["row_prompt"]]  # (n, 1, V) the last prompt logits, once per completion
-    logps = [grpo_loss.token_logprobs(first, mb["completion_ids"][:, :1], temperature)]  # (n, 1)
-    if mb["completion_ids"].shape[1] > 1:
-        cache = out.past_key_values
-        cache.batch_select_indices(mb["row_prompt"])  # (k, h, L + P, d) -> (n, h, L + P, d)
-        logits = model(input_ids=mb["completion_ids"][:, :-1],
-                       attention_mask=mb["attention_mask"][:, :-1],
-                       position_ids=mb["completion_positions"][:, :-1], past_key_values=cache,
-                       use_cache=True).logits  # (n, C-1, V): position j predicts token j+1
-        rest = grpo_loss.token_logprobs(logits, mb["completion_ids"][:, 1:], temperature)
-        logps.append(rest)  # (n, C-1)
-    return torch.cat(logps, 1)  # (n, C) from logits / temperature
+def completion_tensors(seqs, idx, device):
+    """The sampler's log-probs (n, C) of rows idx and their completion mask (n, C), right-padded:
+    1 on the generated tokens (EOS included), from the lengths, never from a pad id."""
+    C = max(len(seqs[i]["ids"]) for i in idx)
+    old, mask = torch.zeros((len(idx), C)), torch.zeros((len(idx), C))  # (n, C) (n, C)
+    for r, i in enumerate(idx):
+        old[r, :len(seqs[i]["ids"])] = torch.tensor(seqs[i]["logprobs"])
+        mask[r, :len(seqs[i]["ids"])] = 1.0
+    return old.to(device), mask.to(device)
 
 
 # ---- ALGO, 4. loss: grpo_loss.policy_loss per micro-batch, its gradient accumulated
@@ -191,7 +164,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     device = next(model.parameters()).device
     masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
     total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
-    record = StepStats(seqs, version, epsilon, epsilon_high, beta)
+    record = StepStats(seqs, version, beta)
     for idx in microbatches:
         # masked: no loss; grpo and dr_grpo still divide by all B rows
         idx = [i for i in idx if i not in masked]
@@ -202,23 +175,25 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                    for i in g]
         if not idx:
             continue
-        mb = collate(seqs, idx, advantages, device)  # the shared-prompt layout; mask etc. (n, C)
-        logps = completion_logprobs(model, mb, temperature)  # (n, C)
+        old, mask = completion_tensors(seqs, idx, device)  # (n, C) (n, C)
+        # = plain_logprobs(model, seqs, idx, temperature), faster
+        logps = plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature)
         ref = None
         if beta > 0:
-            with torch.no_grad(), model.disable_adapter():
-                ref = completion_logprobs(model, mb, temperature)  # (n, C) base model
+            with torch.no_grad(), model.disable_adapter():  # (n, C) the base model's
+                ref = plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature)
         # the loss of this micro-batch, normalised as loss_type says (dapo: by the whole step's
         # tokens, bnpo: by this micro-batch's)
         loss, stats = grpo_loss.policy_loss(
-            logps, mb["old_logprobs"], mb["advantages"], mb["mask"], epsilon=epsilon,
+            logps, old, advantages[idx].to(device), mask, epsilon=epsilon,
             epsilon_high=epsilon_high, loss_type=loss_type,
             max_completion_length=max_completion_length, ref_logprobs=ref, beta=beta,
             num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type), delta=delta,
             use_bias_correction_kl=use_bias_correction_kl)
-        weight = grpo_loss.microbatch_weight(loss_type, mb["mask"], len(seqs), len(microbatches))
+        weight = grpo_loss.microbatch_weight(loss_type, mask, len(seqs), len(microbatches))
         (loss * weight).backward()
-        record.add(idx, mb, logps, loss.item() * weight, stats)
+        record.add(idx, mask, loss.item() * weight, stats,  # the step's statistics, per row:
+                   grpo_loss.offpolicy_stats(logps, old, mask, epsilon, epsilon_high))
     out = record.result()
     out["finite"] = math.isfinite(out["loss"]) and grpo_loss.all_finite(  # each on its own device
         [p.grad for p in model.parameters() if p.requires_grad])
@@ -236,21 +211,21 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
         sync.publish_adapter(bucket, d, version, keep=keep, base_model=base_model, step=step)
         if state is not None:
             write_state(d, state, optimizer, key)
-            sync.save_trainer_state(bucket, d)
+            save_trainer_state(bucket, d)
 
 
 # ---- ALGO: the loop
 
 def train(args):
     # rides out outages once it worked
-    bucket = sync.open_bucket(args.bucket, retry_s=args.bucket_retry)
+    bucket = open_bucket(args.bucket, retry_s=args.bucket_retry)
     client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN
     # a wrong URL or token ends here
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
     # the run's settings: the proxy's
     vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
     # the model with a fresh LoRA, or as the resume state in the bucket left it
-    run = start_run(args, bucket, contract)
+    run = start_run(args, bucket, contract, sync.latest_version(bucket), sync.versions(bucket))
     model, optimizer, step, version = run.model, run.optimizer, run.step, run.version
     groups_consumed = run.groups_consumed
     # versions kept in the bucket: every one a replica may still be using
@@ -323,15 +298,15 @@ def train(args):
     print(f"done: {step} steps, last version v{version}, {groups_consumed} groups consumed")
 
 
-# ---- SUPPORT: the command line (its flags: trainer_support.parse_args)
+# ---- SUPPORT: main(), the wiring (the flags: support/cli.py's trainer_args)
 
 def main(argv=None):
-    args = parse_args(argv, description=__doc__.split("\n")[0])
+    args = trainer_args(argv, description=__doc__.split("\n")[0])
     # each log line reaches a piped log (or a watcher) at once
     sys.stdout.reconfigure(line_buffering=True)
     try:
         train(args)
-    except (ProxyError, sync.BucketError, TrainerError) as e:
+    except (ProxyError, BucketError, TrainerError) as e:
         sys.exit(f"trainer.py: error: {e}")
 
 

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import sync  # noqa: E402
+from support import buckets
 from conftest import free_port, wait_port  # noqa: E402
 
 BATCH = re.compile(r"\] batch \d+ v(\d+) \(trainer v\d+\) \d+ groups [\d.]+ groups/s .*accepted (\d+) stale (\d+)"
@@ -177,7 +177,7 @@ def run_system(opts, staleness, bucket, log_dir, env=None, own_pids=(), replica=
         for r in reversed(roles):
             r.stop()
     busy, own = (b - a for a, b in zip(cpu_before, cpu_seconds(own_pids)))
-    metrics = sync.read_metrics(bucket)
+    metrics = buckets.read_metrics(bucket)
     batches = [{"t": t, "version": int(m.group(1)), "accepted": int(m.group(2)), "stale": int(m.group(3)),
                 "gen_s": float(m.group(4)), "replica": r.name.split(".")[0]}
                for r in replicas for t, line in r.lines if (m := BATCH.search(line))]

@@ -53,10 +53,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import engines  # noqa: E402
-import fast_decode  # noqa: E402
-from rollout import chat_prompt  # noqa: E402
-from tasks import load_task  # noqa: E402
+from support import engines  # noqa: E402
+from support import fast_decode  # noqa: E402
+from support.tasks import chat_prompt
+from support.tasks import load_task  # noqa: E402
 
 
 def parse_args(argv=None):

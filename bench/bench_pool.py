@@ -74,6 +74,7 @@ def emulated_replica(k, seconds_per_token, mode, cpus, argv):
     if mode == "restart":
         lowest_priority()
     import rollout
+    from support import engines
 
     def paced(generate):
         def generate_paced(self, *args, **kwargs):
@@ -89,8 +90,8 @@ def emulated_replica(k, seconds_per_token, mode, cpus, argv):
             return out
         return generate_paced
 
-    rollout.HFEngine.generate = paced(rollout.HFEngine.generate)
-    rollout.VLLMEngine.generate = paced(rollout.VLLMEngine.generate)
+    engines.HFEngine.generate = paced(engines.HFEngine.generate)
+    engines.VLLMEngine.generate = paced(engines.VLLMEngine.generate)
     rollout.main(argv)
 
 

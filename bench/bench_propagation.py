@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import sync  # noqa: E402
+from support import buckets
 from bench_async import BATCH, LOADED, PUBLISHED, STEP, Role, fresh_out, role_env  # noqa: E402
 from chaos import TcpRelay, aws_env, start_moto  # noqa: E402
 from conftest import free_port, make_s3_bucket, wait_port  # noqa: E402
@@ -183,7 +183,7 @@ class Mirror:
 
     def _schedule(self, key, data):
         self.seq += 1
-        first = key.startswith("adapters/v000000/") or (key == sync.LATEST and data and sync_version(data) == 0)
+        first = key.startswith("adapters/v000000/") or (key == buckets.LATEST and data and sync_version(data) == 0)
         lag = 0.0 if first else self.rng.uniform(*self.lag)  # v0, before step 1: the start is not measured
         self.pending.append((time.time() + lag, self.seq, key, data))
 
@@ -305,7 +305,7 @@ def run_one(opts, kind, staleness, steps, out, s3_port):
         for x in (watch, mirror, *relays.values(), *s3_relays.values()):
             if x is not None:
                 x.close() if hasattr(x, "close") else x.stop()
-    metrics = {m["step"]: m for m in sync.read_metrics(write_url)}
+    metrics = {m["step"]: m for m in buckets.read_metrics(write_url)}
     return analyse(opts, kind, staleness, metrics, trainer, replicas, relays, s3_relays, watch, mirror)
 
 

@@ -36,15 +36,16 @@ def fastapi_app(max_groups=4096):
     from fastapi.responses import JSONResponse
 
     import proxy
+    from support import contract, http_hardening
 
     buffer, app = proxy.RolloutBuffer(max_groups=max_groups), FastAPI()
 
     @app.post("/rollouts")
     async def rollouts(request: Request):
         try:  # 400 naming the field, 409, 413, 429 when full
-            return JSONResponse(buffer.add(proxy.validate_rollouts(proxy.parse_json(await request.body()), max_groups,
+            return JSONResponse(buffer.add(contract.validate_rollouts(http_hardening.parse_json(await request.body()), max_groups,
                                                                    buffer.contract)))
-        except proxy.ApiError as e:
+        except http_hardening.ApiError as e:
             return JSONResponse({"error": str(e)}, status_code=e.code, headers=e.headers)
 
     @app.post("/version")
@@ -53,7 +54,7 @@ def fastapi_app(max_groups=4096):
 
     @app.get("/batch")
     def batch(groups: int, timeout: float = 0.0):  # a plain def: FastAPI runs it in its thread pool, so it may block
-        out, version, _ = buffer.take(groups, min(timeout, proxy.MAX_POLL_S))  # no ack: delivered once written
+        out, version, _ = buffer.take(groups, min(timeout, http_hardening.MAX_POLL_S))  # no ack: delivered once written
         return JSONResponse({"groups": out, "trainer_version": version})  # json.dumps, like proxy.py
 
     @app.get("/stats")
@@ -133,9 +134,9 @@ def pct(xs, q):
 def post_size():
     """What a real POST weighs against the default --max-body-mb, and the longest the proxy can spend
     parsing a body within it (a JSON parse holds the GIL: the other endpoints wait that long)."""
-    import proxy
+    from support import contract, http_hardening, proxy_service
 
-    c, limit = proxy.CONTRACT, proxy.body_limit(proxy.CONTRACT)
+    c, limit = contract.CONTRACT, proxy_service.body_limit(contract.CONTRACT)
     B, G, T = c["groups_per_step"], c["num_generations"], c["max_completion_length"]
     one = group_template(G, T)
     groups = json.loads(one)["groups"] * B
@@ -147,8 +148,8 @@ def post_size():
     for name, data in [("the real POST", body), ("a body of [] lists at the limit", worst)]:
         t0 = time.perf_counter()
         try:  # what the proxy does with it: parse, validate (the real one passes), free
-            proxy.validate_rollouts(proxy.parse_json(data), 4096, c)
-        except proxy.ApiError as e:
+            contract.validate_rollouts(http_hardening.parse_json(data), 4096, c)
+        except http_hardening.ApiError as e:
             name += f" ({str(e)[:40]}...)"
         print(f"# parse, validate, free {name}, {len(data) / 2**20:.2f} MiB: {time.perf_counter() - t0:.3f} s")
 

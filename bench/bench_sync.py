@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
+from support import buckets
 from conftest import free_port, wait_port  # noqa: E402
 
 
@@ -71,8 +72,8 @@ def main():
 
         boto3.client("s3").create_bucket(Bucket="bench")
         with tempfile.TemporaryDirectory() as work:
-            backends = {"dir": sync.open_bucket(os.path.join(work, "bucket")),
-                        "s3": sync.open_bucket("s3://bench/run")}
+            backends = {"dir": buckets.open_bucket(os.path.join(work, "bucket")),
+                        "s3": buckets.open_bucket("s3://bench/run")}
             rows, version = [], 0
             for name, bucket in backends.items():
                 for size in args.sizes:

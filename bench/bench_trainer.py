@@ -8,7 +8,7 @@ one micro-batch, not by vocab x sequence x batch.
 SmolLM2-135M-Instruct is read from --smollm2 (build it offline with
 `python scripts/offline_smollm2.py runs/models/smollm2-135m-instruct`). Every measurement runs in a
 fresh worker process (this file with --worker), so that its memory is its own. The worker builds
-the model as trainer.py does (trainer.build_model: LoRA r 8 on all linear layers, fp32 on CPU),
+the model as trainer.py does (trainer_state.build_model: LoRA r 8 on all linear layers, fp32 on CPU),
 makes N groups of G synthetic completions (one random prompt of S + P token ids per group, the first S
 the same in every group, as a chat template's system prompt is; random completions of C ids, rewards
 alternating within each group), takes one warm-up step, then --repeats timed steps (loss dapo,
@@ -83,10 +83,9 @@ def old_loss_and_backward(model, seqs, advantages, microbatches):
 
     total_tokens = sum(len(s["ids"]) for s in seqs)
     for idx in microbatches:
-        mb = trainer.collate(seqs, idx, advantages, "cpu")  # old log-probs, mask, advantages: the same
+        old, mask = trainer.completion_tensors(seqs, idx, "cpu")  # (n, C) (n, C): the same
         logps = trainer.plain_logprobs(model, seqs, idx, 1.0)  # (n, C)
-        loss, _ = grpo_loss.policy_loss(logps, mb["old_logprobs"], mb["advantages"], mb["mask"],
-                                        num_tokens=total_tokens)
+        loss, _ = grpo_loss.policy_loss(logps, old, advantages[idx], mask, num_tokens=total_tokens)
         loss.backward()
 
 
@@ -95,10 +94,11 @@ def worker(a):
 
     import grpo_loss
     import trainer
+    from support import shared_prompt, trainer_state
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = trainer.build_model(a.model, lora_r=8, lora_alpha=16, seed=0)
+    model = trainer_state.build_model(a.model, lora_r=8, lora_alpha=16, seed=0)
     V = model.config.vocab_size
     seqs = []
     shared = torch.randint(10, V, (a.shared,)).tolist()  # the prompts' common prefix
@@ -108,14 +108,14 @@ def worker(a):
                   "logprobs": [-2.0] * a.completion, "reward": float(i % 2), "policy_version": 0, "truncated": False}
                  for i in range(a.group_size)]
     advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), a.group_size)  # (B,)
-    params = trainer.lora_parameters(model)
+    params = trainer_state.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     model.eval()
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         if a.path == "new":
-            mbs = trainer.make_microbatches(seqs, a.micro_batch_tokens)
+            mbs = shared_prompt.make_microbatches(seqs, a.micro_batch_tokens)
             trainer.compute_loss_and_backward(model, seqs, advantages, mbs)
         else:
             mbs = old_microbatches(seqs, a.micro_batch_tokens)

@@ -11,9 +11,9 @@
 1. TRL 1.16 `GRPOTrainer` in a venv of its own (runs/.venv-trl, created once from pinned versions:
    trl==1.16.0 with .venv's torch, transformers and peft), one process, generation with
    transformers (use_vllm=False). It trains on exactly rollout.py's task: the same train items
-   (rollout.load_task), the same prompt ids (the chat template with one user message,
-   add_generation_prompt=True; checked against rollout.chat_prompt before training), the same
-   reward (rollout.reward: number_reward on the last number). Its thread count is its faster one:
+   (tasks.load_task), the same prompt ids (the chat template with one user message,
+   add_generation_prompt=True; checked against tasks.chat_prompt before training), the same
+   reward (tasks.reward: number_reward on the last number). Its thread count is its faster one:
    a probe runs --probe-steps steps at 1 and at 2 threads first and keeps the lower median step
    time (--trl-threads N skips that part); then, at that thread count, with glibc's malloc kept
    from handing large blocks back to the kernel (MALLOC_KEPT: what jobs.sh gives our trainer),
@@ -27,7 +27,7 @@
    LORA_ALPHA on all linear layers, LOSS_TYPE, BETA, SEED (the race's seed on both sides). Where
    TRL's defaults differ from trainer.py they are set to trainer.py's: fp32 (bf16=False), no
    gradient checkpointing, dropout off, AdamW without weight decay, and TRL's two-sided clip
-   `delta` at trainer.py's default (trainer.DELTA; TRL's default is off).
+   `delta` at trainer.py's default (cli.DELTA; TRL's default is off).
 3. For each seed: TRL, then ours (TRL, ours, TRL, ours, ...: a drift of the machine's speed
    touches both sides alike), in one sitting. While a side trains, a sampler reads every second
    how many cores other processes keep busy (race_stats.ContentionSampler); each run's mean and
@@ -80,6 +80,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import race_stats  # noqa: E402
 import sync  # noqa: E402
+from support import buckets  # noqa: E402
 from conftest import free_port  # noqa: E402
 
 TRL_VERSION = "1.16.0"
@@ -238,21 +239,22 @@ from trl.extras.profiling import ProfilingContext
 
 import rollout
 import trainer as ours
+from support import cli, shared_prompt, tasks, trainer_state
 
 torch.set_num_threads(cfg["threads"])
-items = rollout.load_task(cfg["task"], "train")
+items = tasks.load_task(cfg["task"], "train")
 tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
 dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": it["question"]}], "answer": it["answer"]}
                              for it in items])
 for it in items:  # TRL tokenizes a conversational prompt with apply_chat_template: the ids must be rollout.py's
     trl_ids = tokenizer.apply_chat_template([{"role": "user", "content": it["question"]}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]
-    if list(trl_ids) != rollout.chat_prompt(tokenizer, it["question"])[1]:
-        sys.exit(f"TRL's prompt ids for {it['question']!r} differ from rollout.chat_prompt's")
+    if list(trl_ids) != tasks.chat_prompt(tokenizer, it["question"])[1]:
+        sys.exit(f"TRL's prompt ids for {it['question']!r} differ from tasks.chat_prompt's")
 
 
 def number_reward(completions, answer, **_):  # completions: [[{"role": "assistant", "content": text}]]
-    return [rollout.reward(cfg["task"], c[0]["content"] if isinstance(c, list) else c, {"answer": a})
+    return [tasks.reward(cfg["task"], c[0]["content"] if isinstance(c, list) else c, {"answer": a})
             for c, a in zip(completions, answer)]
 
 
@@ -313,7 +315,7 @@ config = GRPOConfig(
     use_vllm=False, learning_rate=float(s["LEARNING_RATE"]), lr_scheduler_type=s["LR_SCHEDULER_TYPE"],
     warmup_steps=0,
     weight_decay=0.0, max_grad_norm=1.0, loss_type=s["LOSS_TYPE"], beta=float(s["BETA"]), epsilon=0.2,
-    delta=ours.DELTA,  # trainer.py's --delta default (TRL's is None): the same two-sided clip
+    delta=cli.DELTA,  # trainer.py's --delta default (TRL's is None): the same two-sided clip
     scale_rewards="group", num_iterations=1,
     bf16=False, gradient_checkpointing=False, disable_dropout=True,  # trainer.py: fp32 on CPU, no recompute
     model_init_kwargs={"dtype": torch.float32},
@@ -362,11 +364,11 @@ if not replay:
 # --check-update: trainer.py's update on TRL's batches, from TRL's initial LoRA
 import grpo_loss
 
-model = ours.build_model(cfg["model"], int(s["LORA_R"]), int(s["LORA_ALPHA"]), "all-linear", int(s["SEED"]))
+model = trainer_state.build_model(cfg["model"], int(s["LORA_R"]), int(s["LORA_ALPHA"]), "all-linear", int(s["SEED"]))
 set_peft_model_state_dict(model, initial)
 model.eval()
 lr, T = float(s["LEARNING_RATE"]), float(s["TEMPERATURE"])
-optimizer = torch.optim.AdamW(ours.lora_parameters(model), lr=lr, weight_decay=0.0)  # as trainer.train
+optimizer = torch.optim.AdamW(trainer_state.lora_parameters(model), lr=lr, weight_decay=0.0)  # as trainer.train
 worst = 0.0
 for step, (b, trl_after) in enumerate(zip(batches, weights)):
     seqs = []
@@ -376,15 +378,14 @@ for step, (b, trl_after) in enumerate(zip(batches, weights)):
                      "reward": float(b["rewards"][r]), "policy_version": 0, "truncated": False, "group": r // G})
     advantages = grpo_loss.group_advantages(torch.tensor([q["reward"] for q in seqs]), G, "group")  # (B,)
     with torch.no_grad():  # on-policy, as TRL's old_per_token_logps = per_token_logps.detach()
-        mb = ours.collate([dict(q, logprobs=[0.0] * len(q["ids"])) for q in seqs], range(len(seqs)), advantages, "cpu")
-        now = ours.completion_logprobs(model, mb, T)  # (B, C)
+        now = shared_prompt.plain_logprobs_fast(model, seqs, list(range(len(seqs))), grpo_loss.token_logprobs, T)  # (B, C)
     for r, q in enumerate(seqs):
         q["logprobs"] = now[r, :len(q["ids"])].tolist()
     optimizer.zero_grad(set_to_none=False)  # as trainer.train
-    ours.compute_loss_and_backward(model, seqs, advantages, ours.make_microbatches(seqs, 8192), s["LOSS_TYPE"], 0.2,
+    ours.compute_loss_and_backward(model, seqs, advantages, shared_prompt.make_microbatches(seqs, 8192), s["LOSS_TYPE"], 0.2,
                                    None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T,
-                                   delta=ours.DELTA)
-    torch.nn.utils.clip_grad_norm_(ours.lora_parameters(model), 1.0)
+                                   delta=cli.DELTA)
+    torch.nn.utils.clip_grad_norm_(trainer_state.lora_parameters(model), 1.0)
     for g in optimizer.param_groups:
         g["lr"] = lr * (1 - step / cfg["steps"] if s["LR_SCHEDULER_TYPE"] == "linear" else 1)
     optimizer.step()
@@ -528,7 +529,7 @@ def checkpoints(bucket, curve, every, steps):
     t_of = {c["step"]: c["t"] for c in curve}
     out = []
     for v in sync.versions(bucket):
-        step = json.loads(sync.open_bucket(bucket).read(f"adapters/v{v:06d}/{sync.MANIFEST}"))["step"]
+        step = json.loads(buckets.open_bucket(bucket).read(f"adapters/v{v:06d}/{buckets.MANIFEST}"))["step"]
         if (step % every == 0 or step == steps) and step in t_of:
             out.append({"version": v, "step": step, "t": t_of[step]})
     return out
@@ -548,13 +549,13 @@ class AdapterCopier(threading.Thread):
 
     def copy(self, v):
         """Copy version v; False when it is gone already (pruned) or torn."""
-        raw = sync.open_bucket(self.src).read(f"adapters/v{v:06d}/{sync.MANIFEST}")
+        raw = buckets.open_bucket(self.src).read(f"adapters/v{v:06d}/{buckets.MANIFEST}")
         if raw is None:
             return False
         step = json.loads(raw).get("step", 0)
         try:
             path = sync.pull_adapter(self.src, v, self.cache, timeout=5)
-        except sync.BucketError:
+        except buckets.BucketError:
             return False  # pruned between the two reads
         sync.publish_adapter(self.dest, path, v, keep=None, step=step)
         self.copied, self.next_step = v, (step // self.every + 1) * self.every
@@ -565,7 +566,7 @@ class AdapterCopier(threading.Thread):
         steps; with final=True also the newest version, whatever its step."""
         latest = sync.latest_version(self.src) if os.path.isdir(self.src) else None
         for v in range(self.seen + 1, (latest if latest is not None else -1) + 1):
-            raw = sync.open_bucket(self.src).read(f"adapters/v{v:06d}/{sync.MANIFEST}")
+            raw = buckets.open_bucket(self.src).read(f"adapters/v{v:06d}/{buckets.MANIFEST}")
             if raw is not None and json.loads(raw).get("step", 0) >= self.next_step:
                 self.copy(v)
             self.seen = v
@@ -609,7 +610,7 @@ def run_ours(a, settings, out):
     if t_start is None or t_end is None:
         sys.exit(f"bench_vs_trl.py: error: no '== training' or '== final adapter' banner in "
                  f"{work}/jobs.log: jobs.sh's output changed, update run_ours")
-    metrics = sync.read_metrics(os.path.join(run_dir, "bucket"))
+    metrics = buckets.read_metrics(os.path.join(run_dir, "bucket"))
     curve = [{"step": m["step"], "t": m["time"] - t_start, "reward": m["reward_mean"]} for m in metrics]
     with open(os.path.join(run_dir, "summary.md")) as f:  # scripts/report.py: jobs.sh's own timing of training
         found = re.search(r"training wall time\s*\|\s*([\d.]+) s", f.read())

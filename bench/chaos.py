@@ -56,8 +56,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import sync  # noqa: E402
+from support import buckets, trainer_state
 from conftest import free_port, processes_mentioning, wait_port  # noqa: E402
-from proxy import ProxyClient, ProxyError, make_completion, make_group  # noqa: E402
+from support.contract import make_completion, make_group
+from support.proxy_client import ProxyClient, ProxyError
 
 TOKEN = "chaos-token"  # the trainer's (PROXY_TOKEN): every endpoint
 ROLLOUT_TOKEN = "chaos-rollout-token"  # the replicas' (ROLLOUT_TOKEN): /rollouts, /quota, /config, /stats only
@@ -217,16 +219,16 @@ def verify_bucket(bucket, scratch):
     """Every version with a manifest.json must verify against it, and LATEST must name one that
     does. Call it while no trainer writes. Returns {"latest", "complete", "torn"} (torn: versions
     with files but no manifest, left by a kill mid-publish or mid-prune)."""
-    b = sync.open_bucket(bucket) if isinstance(bucket, str) else bucket
+    b = buckets.open_bucket(bucket) if isinstance(bucket, str) else bucket
     latest, complete, torn = sync.latest_version(b), [], []
     for v in sync.versions(b):
-        if b.read(f"adapters/v{v:06d}/{sync.MANIFEST}") is None:
+        if b.read(f"adapters/v{v:06d}/{buckets.MANIFEST}") is None:
             torn.append(v)
             continue
         dest = tempfile.mkdtemp(dir=scratch)
         try:
             sync.pull_adapter(b, v, dest, timeout=2.0)  # raises BucketError if a file does not match
-        except sync.BucketError as e:
+        except buckets.BucketError as e:
             raise AssertionError(f"adapter v{v} has a manifest but does not verify: {e}") from None
         finally:
             shutil.rmtree(dest, ignore_errors=True)
@@ -239,7 +241,7 @@ def saved_state(bucket, scratch):
     """(step, version) of the trainer state the bucket holds now, or None."""
     import torch
 
-    d = sync.load_trainer_state(bucket, tempfile.mkdtemp(dir=scratch))
+    d = buckets.load_trainer_state(bucket, tempfile.mkdtemp(dir=scratch))
     if d is None:
         return None
     state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
@@ -473,7 +475,7 @@ class Crafter:
         import trainer
 
         self.trainer, self.bucket, self.scratch = trainer, bucket, scratch
-        self.model = trainer.build_model(model, lora_r=8, lora_alpha=16)  # as TRAINER_ARGS
+        self.model = trainer_state.build_model(model, lora_r=8, lora_alpha=16)  # as TRAINER_ARGS
         self.model.eval()
 
     def craft(self, g, version, shift=-19.9):
@@ -545,7 +547,7 @@ def poisoner(system, limits, rng, stop, report):
             try:
                 code, answer = post_raw(client, [hostile_group(kind, s["contract"], t or 0, limits, rng,
                                                                crafter=crafter)])
-            except (requests.RequestException, ValueError, sync.BucketError):  # BucketError: v pruned
+            except (requests.RequestException, ValueError, buckets.BucketError):  # BucketError: v pruned
                 code, answer = None, {}
             if code is None or code == 429 or code >= 500:  # down, restarting, or full
                 report.poison[kind, "not delivered"] += 1
@@ -651,7 +653,7 @@ def learning_checks(system, scratch, report, final):
     finite = [v for v in final["complete"] if adapter_finite(system.bucket, v, scratch)]
     report.check("every adapter in the bucket has finite weights", finite == final["complete"],
                  f"adapters with NaN or inf weights: {sorted(set(final['complete']) - set(finite))}")
-    records = sync.read_metrics(system.bucket)
+    records = buckets.read_metrics(system.bucket)
     finite_number = lambda x: type(x) in (int, float) and math.isfinite(x)  # noqa: E731
     applied = [r["step"] for r in records if not r.get("skipped_non_finite")
                and not (finite_number(r.get("loss")) and finite_number(r.get("grad_norm")))]
@@ -674,12 +676,12 @@ def final_checks(system, scratch, report, work):
     try:
         final = verify_bucket(system.bucket, scratch)
         report.check("bucket verified")
-    except (AssertionError, sync.BucketError) as e:
+    except (AssertionError, buckets.BucketError) as e:
         report.failures.append(str(e))
         final = {"latest": None, "complete": [], "torn": []}
     try:
         final.update(learning_checks(system, scratch, report, final))
-    except (OSError, ValueError, sync.BucketError) as e:
+    except (OSError, ValueError, buckets.BucketError) as e:
         report.failures.append(f"learning checks: {type(e).__name__}: {str(e)[:500]}")
     log = system.trainer.text()
     try:
@@ -752,7 +754,7 @@ def chaos(args):
         report.check("the trainer still steps at the end")
         system.stats()
         report.check("accounting balanced")
-    except (AssertionError, OSError, ProxyError, sync.BucketError) as e:
+    except (AssertionError, OSError, ProxyError, buckets.BucketError) as e:
         report.failures.append(f"{type(e).__name__}: {str(e)[:2000]}")
     finally:
         stop_hostile_peers()

@@ -41,7 +41,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 import torch  # noqa: E402
 
-import sync  # noqa: E402
+from support import buckets
 from bench_generate import linear_rate, model_shapes, work  # noqa: E402
 
 BATCH = re.compile(r"batch \d+ v(\d+) \(trainer v\d+\) (\d+) groups .* gen [\d.]+s")
@@ -63,7 +63,7 @@ def floor_cpu_s(mm, attn_flops, best):
 
 def seed_floor(run_dir, metrics, step, prompt_lens, prefix, config, best, G, T):
     """(groups made, generation CPU s, trainer CPU s) of ours before its checkpoint `step`, from
-    its replicas' logs in run_dir and its trainer's `metrics` (sync.read_metrics)."""
+    its replicas' logs in run_dir and its trainer's `metrics` (buckets.read_metrics)."""
     made = []
     for path in glob.glob(os.path.join(run_dir, "rollout-*.log")):
         with open(path) as f:
@@ -111,8 +111,8 @@ def main(argv=None):
         race = json.load(f)
     from transformers import AutoConfig, AutoTokenizer
 
-    from rollout import chat_prompt
-    from tasks import load_task
+    from support.tasks import chat_prompt
+    from support.tasks import load_task
     config, tok = AutoConfig.from_pretrained(a.model), AutoTokenizer.from_pretrained(a.model)
     G, T = int(race["settings"]["NUM_GENERATIONS"]), int(race["settings"]["MAX_NEW_TOKENS"])
     prompts = [chat_prompt(tok, it["question"])[1] for it in load_task(race["settings"]["TASK"],
@@ -132,7 +132,7 @@ def main(argv=None):
             continue
         with open(os.path.join(a.race, f"seed-{seed}", "ours.json")) as f:
             ours = json.load(f)
-        metrics = sync.read_metrics(os.path.join(ours["run_dir"], "bucket"))
+        metrics = buckets.read_metrics(os.path.join(ours["run_dir"], "bucket"))
         made, gen, train = seed_floor(ours["run_dir"], metrics, step, [len(x) for x in prompts],
                                       prefix, config, best, G, T)
         with open(os.path.join(ours["run_dir"], "proxy.log")) as f:

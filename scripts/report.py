@@ -4,7 +4,7 @@
 
 Reads what the run left behind: runs/NAME/eval-base.json and eval-final.json (from
 `rollout.py --eval`), runs/NAME/stats.json (the proxy's /stats at the end of training) and the
-bucket's metrics (sync.read_metrics: one object per trainer step). Prints a Markdown table and the reward
+bucket's metrics (buckets.read_metrics: one object per trainer step). Prints a Markdown table and the reward
 curve as a one-line sparkline.
 """
 
@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sync  # noqa: E402
+from support import buckets
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -49,7 +50,7 @@ def main():
     base = load_json(os.path.join(a.run_dir, "eval-base.json"))
     final = load_json(os.path.join(a.run_dir, "eval-final.json"))
     stats = load_json(os.path.join(a.run_dir, "stats.json"))
-    metrics = sync.read_metrics(a.bucket or os.path.join(a.run_dir, "bucket"))
+    metrics = buckets.read_metrics(a.bucket or os.path.join(a.run_dir, "bucket"))
     rewards = [m["reward_mean"] for m in metrics if "reward_mean" in m]
     stale = [m["staleness_mean"] for m in metrics if m.get("staleness_mean") is not None]
     versions = sync.latest_version(a.bucket or os.path.join(a.run_dir, "bucket"))

@@ -128,12 +128,12 @@ def hf_run_name():
 
 @pytest.fixture(scope="module")
 def lora_model(tiny_model):
-    """trainer.build_model on the tiny model with a random (nonzero) LoRA B, so every LoRA weight has a gradient."""
+    """trainer_state.build_model on the tiny model with a random (nonzero) LoRA B, so every LoRA weight has a gradient."""
     import torch
 
-    import trainer
+    from support import trainer_state
 
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
     torch.manual_seed(1)
     for name, p in model.named_parameters():
         if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import sync
+from support import buckets
 from conftest import ROOT, free_port, wait_port
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PROXY_TOKEN": "t"}
@@ -78,7 +79,7 @@ def test_roles_take_the_proxys_settings_refuse_others_and_the_run_ends_by_itself
         assert proxy.wait(timeout=60) == 0, "the proxy exits once the trainer is done and the replica was told"
         out = proxy.stdout.read()
         assert "every replica was told: exiting" in out, out[-2000:]
-        recs = sync.read_metrics(bucket)
+        recs = buckets.read_metrics(bucket)
         assert [m["step"] for m in recs] == [1, 2, 3] and all(m["groups"] == 2 for m in recs)
         assert max(m["staleness_max"] for m in recs) <= 1
         n = SETTINGS["groups_per_step"] * SETTINGS["num_generations"]  # truncated: ended without EOS

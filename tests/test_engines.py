@@ -18,9 +18,8 @@ import sys
 import pytest
 import torch
 
-import engines
-import fast_decode
-import rollout
+from support import engines
+from support import fast_decode
 from test_rollout import arith_prompts, make_adapter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +62,7 @@ def test_decode_loop_equals_generate_in_other_shapes(tiny_model, adapter):
     in calls of at most 2 prompts x G 3 (batch_size 6, the last call one prompt), G = 1, 40 new
     tokens (some rows end with an EOS, the call goes on for the others), and prompts without a
     common prefix."""
-    engine = rollout.HFEngine(tiny_model, seed=0, batch_size=6)
+    engine = engines.HFEngine(tiny_model, seed=0, batch_size=6)
     engine.load_adapter(1, adapter)
     prompts = arith_prompts(engine.tokenizer, 7)
     unshared = [p[k:] for k, p in enumerate(prompts)]  # each starts elsewhere in the template
@@ -89,7 +88,7 @@ def test_greedy_decode_loop_equals_transformers_greedy(tiny_model, adapter):
     greedy generate on each prompt left-padded whole, with the adapter, in calls of 3 prompts
     (batch_size 3). (The tiny model's greedy paths run to the token limit; the loop's stop at
     an EOS is checked by the sampling tests.)"""
-    engine = rollout.HFEngine(tiny_model, seed=0, batch_size=3)
+    engine = engines.HFEngine(tiny_model, seed=0, batch_size=3)
     engine.load_adapter(1, adapter)
     assert engine.fast
     prompts = arith_prompts(engine.tokenizer, 7)
@@ -114,7 +113,7 @@ def test_packed_weights_sample_as_unpacked(tiny_model, adapter):
     on a CPU) draws the same tokens as without, seed for seed, log-probs within 1e-5; the weights
     are packed once for a row count (the second call with it packs nothing) and again for
     another."""
-    engine = rollout.HFEngine(tiny_model, seed=0)
+    engine = engines.HFEngine(tiny_model, seed=0)
     engine.load_adapter(1, adapter)
     packs = engine.packs
     assert engine.fast and packs is not None
@@ -168,13 +167,13 @@ def test_unsupported_lora_falls_back_to_generate(tiny_model, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"])
     get_peft_model(base, config).save_pretrained(str(tmp_path / "emb"))
-    engine = rollout.HFEngine(tiny_model, seed=0)
+    engine = engines.HFEngine(tiny_model, seed=0)
     assert engine.fast
     engine.load_adapter(1, str(tmp_path / "emb"))
     assert not engine.fast
     assert "embed_tokens" in fast_decode.fast_decode_support(engine.model)
     prompts = arith_prompts(engine.tokenizer, 4)
-    reference = rollout.HFEngine(tiny_model, seed=0, fast=False)
+    reference = engines.HFEngine(tiny_model, seed=0, fast=False)
     reference.load_adapter(1, str(tmp_path / "emb"))
     assert [s.ids for g in sample(engine, prompts, 2, 6) for s in g] == \
         [s.ids for g in sample(reference, prompts, 2, 6) for s in g]

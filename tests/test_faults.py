@@ -44,6 +44,7 @@ import pytest
 
 import chaos
 import proxy
+from support import buckets, proxy_client, trainer_state
 import sync
 from chaos import PUBLISHED, RESUMED, STEP, LocalSystem, check_accounting, saved_state, verify_bucket
 from conftest import ROOT
@@ -118,7 +119,7 @@ def test_replica_killed_mid_batch_the_other_carries_on_and_it_rejoins_current(ru
     version, trainer_version, accepted, stale = map(int, b.groups())
     assert trainer_version - version <= s.max_staleness and accepted >= 1 and stale == 0, b.group(0)
     next_step(s)
-    waits = [m["wait_s"] for m in sync.read_metrics(s.bucket) if m["time"] >= t_kill]
+    waits = [m["wait_s"] for m in buckets.read_metrics(s.bucket) if m["time"] >= t_kill]
     print(f"\nreplica-0 killed mid-batch at trainer step {last - 3}; restarted, loaded v{loaded} (LATEST was "
           f"v{latest}), first batch v{version} at trainer v{trainer_version}; longest trainer wait meanwhile "
           f"{max(waits):.1f}s (--wait-timeout {WAIT_TIMEOUT})")
@@ -161,7 +162,7 @@ def test_proxy_killed_and_restarted_loses_only_its_buffer(running):
     try:
         time.sleep(0.5)
         after = s.stats()
-        recs = sync.read_metrics(s.bucket)
+        recs = buckets.read_metrics(s.bucket)
     finally:
         s.trainer.signal(signal.SIGCONT)
     check_accounting(after)
@@ -178,7 +179,7 @@ def test_proxy_killed_and_restarted_loses_only_its_buffer(running):
 def test_client_re_announces_its_version_to_a_restarted_proxy(capsys):
     server, _ = proxy.serve(port=0, max_staleness=1, num_generations=2)
     port = server.server_address[1]
-    client = proxy.ProxyClient(f"http://127.0.0.1:{port}", max_wait=10)
+    client = proxy_client.ProxyClient(f"http://127.0.0.1:{port}", max_wait=10)
     client.set_version(5)
     server.shutdown()
     server.server_close()
@@ -187,7 +188,7 @@ def test_client_re_announces_its_version_to_a_restarted_proxy(capsys):
         comp = {"ids": [2], "logprobs": [-1.0], "reward": 1.0, "text": "x", "finish_reason": "stop"}
         group = {"group_id": "old", "policy_version": 1, "worker": "w", "prompt": "p", "prompt_ids": [1],
                  "temperature": 1.0, "max_new_tokens": 256, "completions": [comp, dict(comp, reward=0.0)]}
-        proxy.ProxyClient(f"http://127.0.0.1:{port}").post_rollouts([group])  # kept until the version is known
+        proxy_client.ProxyClient(f"http://127.0.0.1:{port}").post_rollouts([group])  # kept until the version is known
         got = client.get_batch(1, timeout=1)  # 409: the client announces v5 again; the v1 group is now stale
         assert (got["groups"], got["trainer_version"]) == ([], 5)
         s = server.buffer.stats()
@@ -215,7 +216,7 @@ def test_client_retries_an_answer_cut_by_a_dying_proxy():
 
     threading.Thread(target=serve, daemon=True).start()
     try:
-        stats = proxy.ProxyClient(f"http://127.0.0.1:{listener.getsockname()[1]}", max_wait=10).stats()
+        stats = proxy_client.ProxyClient(f"http://127.0.0.1:{listener.getsockname()[1]}", max_wait=10).stats()
         assert stats["trainer_version"] == 3
     finally:
         listener.close()
@@ -330,7 +331,7 @@ def test_directory_bucket_outage_trainer_retries_replicas_keep_serving(running):
         time.sleep(0.2)
     assert loaded <= published, "a replica loaded an unpublished version"
     verify_bucket(bucket, s.scratch)
-    recs = sync.read_metrics(bucket)
+    recs = buckets.read_metrics(bucket)
     # every step has its metrics line, the ones written during the outage included (the trainer prints a
     # step's line after writing its metrics, so counting lines read before next_step() would race)
     assert set(range(1, last + 1)) <= {m["step"] for m in recs}, "a metrics line was lost"
@@ -347,8 +348,8 @@ def test_s3_outage_is_retried_and_readers_keep_what_they_have(tmp_path, capfd):
         import boto3
 
         boto3.client("s3").create_bucket(Bucket="faults")
-        writer = sync.open_bucket("s3://faults/run", retry_s=30)
-        reader = sync.open_bucket("s3://faults/run")  # a replica's: no retries, it keeps its adapter
+        writer = buckets.open_bucket("s3://faults/run", retry_s=30)
+        reader = buckets.open_bucket("s3://faults/run")  # a replica's: no retries, it keeps its adapter
         for v in (0, 1):
             d = tmp_path / f"a{v}"
             d.mkdir()
@@ -359,7 +360,7 @@ def test_s3_outage_is_retried_and_readers_keep_what_they_have(tmp_path, capfd):
         relay.stop()
         threading.Timer(4.0, relay.start).start()  # the endpoint is back after 4 s
         start = time.monotonic()
-        with pytest.raises(sync.BucketError, match="cannot reach the S3 endpoint"):
+        with pytest.raises(buckets.BucketError, match="cannot reach the S3 endpoint"):
             sync.latest_version(reader)
         sync.publish_adapter(writer, str(tmp_path / "a1"), 1)  # waits the outage out
         assert time.monotonic() - start >= 3.5
@@ -411,9 +412,9 @@ def bad_input(tiny_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bad-input")
     bucket = str(root / "bucket")
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
-    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=1e-3, weight_decay=0.0)  # as trainer
-    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {"step": 0, "version": 0, "published_step": 0,
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    optimizer = torch.optim.AdamW(trainer_state.lora_parameters(model), lr=1e-3, weight_decay=0.0)  # as trainer
+    trainer.publish(model, buckets.open_bucket(bucket), 0, 4, tiny_model, 0, {"step": 0, "version": 0, "published_step": 0,
                     "groups_consumed": 0, "args": {"model": tiny_model, "lora_r": 8}}, optimizer)
     server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
     yield {"bucket": bucket, "url": f"http://127.0.0.1:{server.server_address[1]}", "server": server}
@@ -493,7 +494,7 @@ def test_trainer_refuses_a_state_whose_pickle_runs_code(tiny_model, bad_input, t
     state, bucket = tmp_path / "state", str(tmp_path / "bucket")
     state.mkdir()
     torch.save({"step": 0, "version": 0, "payload": RunsCode(str(tmp_path / "pwned"))}, state / "state.pt")
-    sync.save_trainer_state(bucket, str(state))
+    buckets.save_trainer_state(bucket, str(state))
     r = subprocess.run([sys.executable, "trainer.py", "--model", tiny_model, "--bucket", bucket, "--proxy",
                         bad_input["url"], "--max-steps", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=180)
@@ -508,11 +509,11 @@ def planted_state(bad_input, tmp_path, **optimizer_settings):
     import torch
 
     src, bucket = tmp_path / "state", str(tmp_path / "bucket")
-    sync.load_trainer_state(bad_input["bucket"], str(src))
+    buckets.load_trainer_state(bad_input["bucket"], str(src))
     state = torch.load(src / "state.pt", weights_only=True)
     state["optimizer"]["param_groups"][0].update(optimizer_settings)
     torch.save(state, src / "state.pt")
-    sync.save_trainer_state(bucket, str(src))
+    buckets.save_trainer_state(bucket, str(src))
     return bucket
 
 
@@ -540,9 +541,9 @@ def test_a_state_tagged_with_the_key_resumes_and_another_key_is_refused(tiny_mod
     import trainer
 
     bucket = str(tmp_path / "bucket")
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
-    optimizer = torch.optim.AdamW(trainer.lora_parameters(model), lr=3e-4, weight_decay=0.0)
-    trainer.publish(model, sync.open_bucket(bucket), 0, 4, tiny_model, 0, {
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    optimizer = torch.optim.AdamW(trainer_state.lora_parameters(model), lr=3e-4, weight_decay=0.0)
+    trainer.publish(model, buckets.open_bucket(bucket), 0, 4, tiny_model, 0, {
         "step": 0, "version": 0, "published_step": 0, "groups_consumed": 0, "args": {}}, optimizer, key="k1")
     server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
     try:
@@ -608,7 +609,7 @@ def test_a_corrupt_adapter_is_reported_as_corrupt_by_the_replica(tiny_model, bad
         size = os.path.getsize(weights)
         with open(weights, "wb") as f:
             f.write(b"\0" * size)
-        proxy.ProxyClient(url).set_version(1)
+        proxy_client.ProxyClient(url).set_version(1)
         assert replica.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         server.shutdown()

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-import sync
+from support import buckets
 from conftest import ROOT, jobs_sh
 
 EMULATOR = os.path.join(ROOT, "bench", "hf_jobs_emulator.py")
@@ -197,7 +197,7 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
         assert any(set(s) == {"replica-0", "replica-1"} and max(s.values()) == 1.0 for s in shares), shares
 
     bucket = os.path.join(env["HF_EMU_DIR"], "buckets", "alice", "grpo", hf_run_name)
-    assert [m["step"] for m in sync.read_metrics(bucket)] == list(range(1, steps + 1))
+    assert [m["step"] for m in buckets.read_metrics(bucket)] == list(range(1, steps + 1))
     with open(os.path.join(bucket, "adapters", "LATEST")) as f:
         assert json.load(f)["version"] >= 1
     follow = subprocess.run(jobs_sh("logs", "trainer"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

@@ -244,7 +244,7 @@ def test_hf_jobs_launches_a_mixed_pool_and_status_shows_each_replicas_share(tmp_
 def test_hf_jobs_replicas_get_their_own_bound_credential(tmp_path, hf_run_name, gateway):
     """Each replica's ROLLOUT_TOKEN (read by `--secrets ROLLOUT_TOKEN` from the environment of
     `hf`) is the run's replica secret bound to its worker name; the proxy gets the secret itself."""
-    import proxy
+    from support import proxy_service
 
     res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", REPLICAS="2",
                           HF_STANDIN_ENV="ROLLOUT_TOKEN PROXY_TOKEN GATEWAY_TOKEN")
@@ -253,7 +253,7 @@ def test_hf_jobs_replicas_get_their_own_bound_credential(tmp_path, hf_run_name, 
     env_seen = [line.split() for line in (tmp_path / "hf-env.log").read_text().splitlines()]
     assert env_seen[0] == [kept["ROLLOUT_TOKEN"], kept["PROXY_TOKEN"], "hf_standin_token"]  # proxy
     for i in range(2):
-        assert env_seen[1 + i][0] == proxy.replica_token(kept["ROLLOUT_TOKEN"], f"replica-{i}")
+        assert env_seen[1 + i][0] == proxy_service.replica_token(kept["ROLLOUT_TOKEN"], f"replica-{i}")
 
 
 @pytest.mark.parametrize("stage, message", [

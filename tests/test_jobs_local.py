@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-import sync
+from support import buckets
 from conftest import free_port, jobs_sh, processes_mentioning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +73,7 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
     finally:
         kill_leftovers(run, port)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    metrics = sync.read_metrics(os.path.join(run, "bucket"))
+    metrics = buckets.read_metrics(os.path.join(run, "bucket"))
     assert [m["step"] for m in metrics] == list(range(1, 25))
     rewards = [m["reward_mean"] for m in metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6

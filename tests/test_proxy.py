@@ -26,8 +26,11 @@ import pytest
 import requests
 
 from conftest import ROOT, free_port, wait_port
-from proxy import (ConfigError, ProxyClient, ProxyError, RolloutBuffer, parse_query, query_seconds, replica_token,
-                   serve)
+from proxy import RolloutBuffer, serve
+from support.contract import ConfigError
+from support.http_hardening import parse_query, query_seconds
+from support.proxy_client import ProxyClient, ProxyError
+from support.proxy_service import replica_token
 
 TOKEN = "s3cret-token"
 REPLICA_TOKEN = "replica-token"
@@ -1375,7 +1378,7 @@ def test_cli_refuses_a_public_address_without_a_token_and_bad_settings():
 def test_make_group_builds_the_one_group_record_the_proxy_checks():
     """One definition of the group record: make_group and make_completion return exactly GROUP's
     and COMPLETION's fields, in their order, and what they build passes validate_group."""
-    from proxy import COMPLETION, CONTRACT, GROUP, make_completion, make_group, validate_group
+    from support.contract import COMPLETION, CONTRACT, GROUP, make_completion, make_group, validate_group
 
     c = make_completion(ids=(5, 2), logprobs=(-0.5, -0.1), reward=1.0, text="7",
                         finish_reason="stop")

@@ -11,7 +11,10 @@ import random
 
 import requests
 
-from proxy import MAX_COMPLETIONS, ProxyClient, replica_token, serve
+from proxy import serve
+from support.contract import MAX_COMPLETIONS
+from support.proxy_client import ProxyClient
+from support.proxy_service import replica_token
 from test_proxy import healthy, make_group, raw_request
 
 TOKEN = "fuzz-token"

@@ -213,7 +213,7 @@ def test_race_floor_prices_the_batches_and_steps_before_the_target(tmp_path):
 
     import race_floor
     import rollout
-    import sync
+    from support import buckets
     from bench_generate import work
 
     lines, R = [], 2e9  # every matmul at R FLOP/s
@@ -227,14 +227,14 @@ def test_race_floor_prices_the_batches_and_steps_before_the_target(tmp_path):
     (tmp_path / "rollout-0.log").write_text("".join(f"[replica-0] {x}\n" for x in lines))
     bucket = str(tmp_path / "bucket")
     for step, tokens in ((1, 7), (2, 9), (3, 100)):
-        sync.append_metrics(bucket, {"step": step, "groups": 2, "tokens": tokens})
+        buckets.append_metrics(bucket, {"step": step, "groups": 2, "tokens": tokens})
     config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_attention_heads=2,
                              num_key_value_heads=1, head_dim=4, num_hidden_layers=3,
                              vocab_size=32)
     maps = [(8, 8), (8, 4), (8, 4), (8, 8), (8, 16), (8, 16), (16, 8)]
     best = {io: R for io in set(maps) | {(8, 32)}}
     prompt_lens, prefix, G, T = [6, 7], 4, 2, 3
-    made, gen, train = race_floor.seed_floor(str(tmp_path), sync.read_metrics(bucket), 2,
+    made, gen, train = race_floor.seed_floor(str(tmp_path), buckets.read_metrics(bucket), 2,
                                              prompt_lens, prefix, config, best, G, T)
     assert made == 5
     expected_gen = 0.0

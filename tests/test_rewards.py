@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-import rollout
-import tasks
+from support import engines, tasks
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SAMPLE = os.path.join(DATA, "gsm8k_sample.jsonl")
@@ -125,7 +124,7 @@ def test_sharding_differs_per_replica():
 
 
 def test_vllm_rank_rounding():
-    assert [rollout.vllm_rank(r) for r in (1, 2, 8, 9, 33, 300)] == [1, 8, 8, 16, 64, 320]
+    assert [engines.vllm_rank(r) for r in (1, 2, 8, 9, 33, 300)] == [1, 8, 8, 16, 64, 320]
 
 
 # ----------------------------------------------------------------------------- MATH (math-verify)

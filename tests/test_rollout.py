@@ -18,8 +18,10 @@ import time
 import pytest
 import torch
 
-import engines
+import grpo_loss
+from support import engines, tasks
 import proxy
+from support import buckets, cli, evaluate, proxy_client, shared_prompt, trainer_state
 import rollout
 import sync
 from conftest import free_port
@@ -75,12 +77,12 @@ def reference(tiny_model, adapters):
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model):
-    return rollout.VLLMEngine(tiny_model, max_lora_rank=8, max_loras=2, seed=0, max_model_len=256)
+    return engines.VLLMEngine(tiny_model, max_lora_rank=8, max_loras=2, seed=0, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model):
-    return rollout.HFEngine(tiny_model, seed=0)
+    return engines.HFEngine(tiny_model, seed=0)
 
 
 @pytest.fixture
@@ -95,20 +97,20 @@ def proxy_url():
 
 def replica_args(bucket, proxy_url, *extra):
     """rollout.py's args with the proxy's contract taken, as run_replica does."""
-    args = rollout.parse_args(["--model", "unused", "--bucket", bucket, "--proxy", proxy_url, "--task", "toy", *extra])
-    rollout.take_contract(args, proxy.ProxyClient(proxy_url))
+    args = cli.replica_args(["--model", "unused", "--bucket", bucket, "--proxy", proxy_url, "--task", "toy", *extra])
+    rollout.take_contract(args, proxy_client.ProxyClient(proxy_url))
     return args
 
 
 def check_group(g, version, tokenizer, task="toy", max_new_tokens=12, n=6):
     """A group as the trainer will get it: templated prompt and its ids, EOS cut, rewards, one log-prob per id."""
-    items = {rollout.chat_prompt(tokenizer, it["question"])[0]: it for it in rollout.load_task(task, "train")}
-    assert g["prompt"] in items and g["prompt_ids"] == rollout.chat_prompt(tokenizer, items[g["prompt"]]["question"])[1]
+    items = {tasks.chat_prompt(tokenizer, it["question"])[0]: it for it in tasks.load_task(task, "train")}
+    assert g["prompt"] in items and g["prompt_ids"] == tasks.chat_prompt(tokenizer, items[g["prompt"]]["question"])[1]
     assert g["policy_version"] == version and g["worker"] == "replica-0"
     assert len(g["completions"]) == n
     for c in g["completions"]:
         assert len(c["ids"]) == len(c["logprobs"]) > 0 and all(lp <= 0 for lp in c["logprobs"])
-        assert c["reward"] == rollout.reward(task, c["text"], items[g["prompt"]])
+        assert c["reward"] == tasks.reward(task, c["text"], items[g["prompt"]])
         assert c["text"] == tokenizer.decode(c["ids"], skip_special_tokens=True)
         if c["finish_reason"] == "stop":  # cut at and including the first EOS
             assert c["ids"][-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in c["ids"][:-1]
@@ -119,7 +121,7 @@ def check_group(g, version, tokenizer, task="toy", max_new_tokens=12, n=6):
 
 def engine_core(engine):
     """The object a restart would replace: vLLM's LLM, or the transformers model under peft's wrapper."""
-    if isinstance(engine, rollout.VLLMEngine):
+    if isinstance(engine, engines.VLLMEngine):
         return engine.llm
     return engine.model.get_base_model() if hasattr(engine.model, "get_base_model") else engine.model
 
@@ -135,10 +137,10 @@ def test_hot_reload_matches_transformers_peft(engine_name, request, adapters, re
     engine = request.getfixturevalue(f"{engine_name}_engine")
     bucket, cache = str(tmp_path / "bucket"), str(tmp_path / "cache")
     sync.publish_adapter(bucket, adapters[0], 0)
-    client = proxy.ProxyClient(proxy_url)
+    client = proxy_client.ProxyClient(proxy_url)
     # arith: prompts of different lengths in one batch, so the hf engine's left padding is exercised
     args = replica_args(bucket, proxy_url, "--task", "arith")
-    replica = rollout.Replica(args, engine, sync.open_bucket(bucket), client, sync.AdapterCache(cache))
+    replica = rollout.Replica(args, engine, buckets.open_bucket(bucket), client, sync.AdapterCache(cache))
     replica.refresh()  # v0
     model_before = engine_core(engine)
 
@@ -170,7 +172,7 @@ def test_hot_reload_matches_transformers_peft(engine_name, request, adapters, re
 
 
 def test_greedy_engines_agree(hf_engine, vllm_engine, adapters):
-    _, ids = rollout.chat_prompt(hf_engine.tokenizer, "What is 2 + 3?")
+    _, ids = tasks.chat_prompt(hf_engine.tokenizer, "What is 2 + 3?")
     for engine in (hf_engine, vllm_engine):
         engine.load_adapter(2, adapters[2])
     hf, vl = hf_engine.greedy([ids, ids[:-4]], 10), vllm_engine.greedy([ids, ids[:-4]], 10)
@@ -184,8 +186,8 @@ def test_replica_follows_the_proxys_quota(hf_engine, adapters, tmp_path):
     url, bucket = f"http://127.0.0.1:{server.server_address[1]}", str(tmp_path / "bucket")
     try:
         sync.publish_adapter(bucket, adapters[0], 0)
-        client = proxy.ProxyClient(url)
-        replica = rollout.Replica(replica_args(bucket, url), hf_engine, sync.open_bucket(bucket), client,
+        client = proxy_client.ProxyClient(url)
+        replica = rollout.Replica(replica_args(bucket, url), hf_engine, buckets.open_bucket(bucket), client,
                                   sync.AdapterCache(str(tmp_path / "cache")))
         replica.refresh()
         client.set_version(0)
@@ -215,14 +217,14 @@ def test_a_batch_larger_than_a_step_is_posted_in_slices(hf_engine, adapters, tmp
     url, bucket = f"http://127.0.0.1:{server.server_address[1]}", str(tmp_path / "bucket")
     try:
         sync.publish_adapter(bucket, adapters[0], 0)
-        client = proxy.ProxyClient(url)
-        replica = rollout.Replica(replica_args(bucket, url), hf_engine, sync.open_bucket(bucket), client,
+        client = proxy_client.ProxyClient(url)
+        replica = rollout.Replica(replica_args(bucket, url), hf_engine, buckets.open_bucket(bucket), client,
                                   sync.AdapterCache(str(tmp_path / "cache")))
         replica.refresh()
         client.set_version(0)
         assert replica.batch(6)["accepted"] == 6 and client.stats()["accepted"] == 6
         replica.args.post_groups = 6  # the limit is real: 6 in one POST do not fit
-        with pytest.raises(proxy.ProxyError, match="413"):
+        with pytest.raises(proxy_client.ProxyError, match="413"):
             replica.batch(6)
     finally:
         server.shutdown()
@@ -245,15 +247,15 @@ def test_cli_pushes_groups_to_the_proxy(tiny_model, adapters, proxy_url, tmp_pat
     first = p.stdout.readline() + p.stdout.readline() + p.stdout.readline()
     assert "engine: hf on cpu" in first and first.endswith(f"waiting for adapter v0 in {bucket}\n"), first
     sync.publish_adapter(bucket, adapters[0], 0)  # the trainer's first publish, then its announcement
-    proxy.ProxyClient(proxy_url).set_version(0)
+    proxy_client.ProxyClient(proxy_url).set_version(0)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-2000:]
     print(first + out)
     assert "engine: hf on cpu (asked for with --engine)" in first
     assert "adapter v0 loaded" in out and out.count("] batch ") == 2
-    stats = proxy.ProxyClient(proxy_url).stats()
+    stats = proxy_client.ProxyClient(proxy_url).stats()
     assert stats["accepted"] == 6 and stats["rejected"] == 0 and "replica-0" in stats["workers"]  # 2 x 3
-    groups = proxy.ProxyClient(proxy_url).get_batch(10, timeout=5)["groups"]
+    groups = proxy_client.ProxyClient(proxy_url).get_batch(10, timeout=5)["groups"]
     assert len(groups) == 6 and len({g["group_id"] for g in groups}) == 6
     from transformers import AutoTokenizer
 
@@ -277,9 +279,9 @@ def test_cli_eval(tiny_model, adapters, hf_engine, tmp_path):
     assert result["accuracy"] == result["correct"] / 5
     # the completions are v1's greedy ones (v1 holds the weights of adapters[2])
     hf_engine.load_adapter(2, adapters[2])
-    ids = [rollout.chat_prompt(hf_engine.tokenizer, x["question"])[1] for x in result["results"]]
+    ids = [tasks.chat_prompt(hf_engine.tokenizer, x["question"])[1] for x in result["results"]]
     assert [x["completion"] for x in result["results"]] == hf_engine.greedy(ids, 10)
-    assert [x["question"] for x in result["results"]] == [x["question"] for x in rollout.load_task("arith", "test")[:5]]
+    assert [x["question"] for x in result["results"]] == [x["question"] for x in tasks.load_task("arith", "test")[:5]]
 
 
 def one_error_line(r):
@@ -311,7 +313,7 @@ def test_cli_errors_are_one_line(tiny_model, tmp_path, s3_server):
 
 def arith_prompts(tokenizer, k):
     """k arith prompt id lists, of at least 2 different lengths (left padding in every batch)."""
-    prompts = [rollout.chat_prompt(tokenizer, it["question"])[1] for it in rollout.load_task("arith", "train")[:k]]
+    prompts = [tasks.chat_prompt(tokenizer, it["question"])[1] for it in tasks.load_task("arith", "train")[:k]]
     assert len({len(p) for p in prompts}) > 1
     return prompts
 
@@ -322,7 +324,7 @@ def test_hf_shared_prefill_samples_as_copied_prompts(tiny_model, adapters, refer
     then sampled by the engine's own decode loop (HFEngine._decode) or by transformers' generate: the same
     samples, seed for seed, as a plain generate on each prompt copied G times (what num_return_sequences
     does), and the sampler's log-probs are those of transformers + peft on the same ids."""
-    engine = rollout.HFEngine(tiny_model, seed=0, fast=fast)
+    engine = engines.HFEngine(tiny_model, seed=0, fast=fast)
     engine.load_adapter(1, adapters[1])
     assert engine.fast == fast
     prompts = arith_prompts(engine.tokenizer, 5)
@@ -372,13 +374,13 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
     (flatten_groups, make_microbatches, collate, completion_logprobs), several micro-batches."""
     import trainer
 
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
     gen = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data = torch.randn(p.shape, generator=gen) * 0.1  # a trained-looking adapter, not the v0 no-op
     model.save_pretrained(str(tmp_path / "adapter"))
-    engine = rollout.HFEngine(tiny_model, seed=0)
+    engine = engines.HFEngine(tiny_model, seed=0)
     engine.load_adapter(1, str(tmp_path / "adapter"))
     assert engine.fast  # the engine's own decode loop (HFEngine._decode) sampled
     prompts = arith_prompts(engine.tokenizer, 6)
@@ -387,17 +389,19 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
                "completions": [{"ids": s.ids, "logprobs": s.logprobs, "reward": float(j % 2)} for j, s in enumerate(g)]}
               for k, (p, g) in enumerate(zip(prompts, samples))]
     seqs = trainer.flatten_groups(groups, 12)
-    microbatches = trainer.make_microbatches(seqs, 150)
+    microbatches = shared_prompt.make_microbatches(seqs, 150)
     assert len(microbatches) > 1 and sorted(i for mb in microbatches for i in mb) == list(range(len(seqs)))
     worst, worst_base, tokens = 0.0, 0.0, 0
     with torch.no_grad():
         for idx in microbatches:
-            mb = trainer.collate(seqs, idx, torch.zeros(len(seqs)), "cpu")
-            on = mb["mask"].bool()  # (n, C) the completion tokens
-            ratio = torch.exp(trainer.completion_logprobs(model, mb, 0.7) - mb["old_logprobs"])[on]  # (tokens,)
+            old, mask = trainer.completion_tensors(seqs, idx, "cpu")  # (n, C) (n, C)
+            on = mask.bool()  # (n, C) the completion tokens
+            now = shared_prompt.plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, 0.7)
+            ratio = torch.exp(now - old)[on]  # (tokens,)
             worst, tokens = max(worst, (ratio - 1).abs().max().item()), tokens + int(on.sum())
             with model.disable_adapter():  # the base model: a policy the sampler did not use
-                base = torch.exp(trainer.completion_logprobs(model, mb, 0.7) - mb["old_logprobs"])[on]
+                base = torch.exp(shared_prompt.plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, 0.7)
+                                 - old)[on]
             worst_base = max(worst_base, (base - 1).abs().max().item())
     print(f"\non-policy ratio, hf engine vs trainer at T=0.7: max |ratio - 1| {worst:.2e} over {tokens} tokens "
           f"(base model instead: {worst_base:.2e})")
@@ -409,7 +413,7 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
 def run_base_eval(tiny_model, cache, capsys, *extra):
     """rollout.py --eval --adapter base in this process. Returns (its printed lines, the --eval-out JSON)."""
     out = os.path.join(cache, "..", "eval.json")
-    rollout.run_eval(rollout.parse_args(["--eval", "--model", tiny_model, "--engine", "hf", "--task", "arith",
+    evaluate.run_eval(cli.replica_args(["--eval", "--model", tiny_model, "--engine", "hf", "--task", "arith",
                                          "--limit", "3", "--max-new-tokens", "6", "--eval-cache", cache,
                                          "--eval-out", out, *extra]))
     with open(out) as f:
@@ -453,11 +457,13 @@ sys.meta_path.insert(0, Watch())
 import rollout
 import torch
 
+from support import engines
+
 cuinit = []
 torch.cuda._is_compiled = lambda: True  # a CUDA build
 torch.cuda._device_count_nvml = lambda: 1  # NVML sees one GPU
 torch._C._cuda_getDeviceCount = lambda: cuinit.append(1) or 1  # the driver's probe: cuInit
-engine = rollout.pick_engine("auto")
+engine = engines.pick_engine("auto")
 print(json.dumps(dict(engine=engine[0], env_at_torch_import=seen.get("env"), cuinit=len(cuinit),
                       initialized=torch.cuda.is_initialized())))
 """

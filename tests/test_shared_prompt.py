@@ -19,6 +19,7 @@ import torch
 
 import grpo_loss
 import trainer
+from support import shared_prompt, trainer_state
 
 G, T, EPS, EPS_HIGH, MAX_LEN = 4, 0.7, 0.2, 0.28, 16
 PROMPT_LENGTHS = [3, 11, 6, 14, 5]  # after a common prefix of PREFIX tokens, as a chat template's system prompt
@@ -90,7 +91,7 @@ def seqs(lora_model):
 
 
 def lora_grads(model):
-    return [p.grad.clone() for p in trainer.lora_parameters(model)]
+    return [p.grad.clone() for p in trainer_state.lora_parameters(model)]
 
 
 def test_logprobs_equal_the_plain_forward(lora_model, seqs):
@@ -101,12 +102,12 @@ def test_logprobs_equal_the_plain_forward(lora_model, seqs):
     cases = [(seqs, every, PREFIX), (unshared, every, 0),
              (nested, list(range(2 * G)), PREFIX),  # group 0's prompt is the start of group 1's: capped
              (seqs, [7], PREFIX + PROMPT_LENGTHS[1] - 1),  # one prompt: all of it but its last token
-             *[(seqs, idx, None) for idx in trainer.make_microbatches(seqs, BUDGET) + [[5, 0, 17, 6]]]]  # any rows
+             *[(seqs, idx, None) for idx in shared_prompt.make_microbatches(seqs, BUDGET) + [[5, 0, 17, 6]]]]  # any rows
     with torch.no_grad():
         for data, idx, prefix in cases:
-            mb = trainer.collate(data, idx, adv, "cpu")
+            mb = shared_prompt.collate(data, idx, "cpu")
             assert prefix is None or mb["prefix_ids"].shape[1] == prefix
-            got = trainer.completion_logprobs(lora_model, mb, T)  # (n, C)
+            got = shared_prompt.plain_logprobs_fast(lora_model, data, idx, grpo_loss.token_logprobs, T)  # (n, C)
             want = trainer.plain_logprobs(lora_model, data, idx, T)  # (n, C)
             torch.testing.assert_close(got * mb["mask"], want * mb["mask"], atol=2e-5, rtol=1e-5)
 
@@ -122,7 +123,7 @@ def test_loss_and_lora_gradients_equal_trl_on_the_plain_forward(lora_model, seqs
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
     advantages = grpo_loss.group_advantages(rewards, G)  # (B,)
     assert torch.all(advantages[EQUAL_GROUP * G:(EQUAL_GROUP + 1) * G] == 0)
-    mbs = trainer.make_microbatches(seqs, BUDGET)
+    mbs = shared_prompt.make_microbatches(seqs, BUDGET)
     assert len(mbs) >= 3, "the test needs several micro-batches"
     assert max(len(m) for m in mbs) > G, "a micro-batch must hold prompts of different lengths"
     together = next(m for m in mbs if EQUAL_GROUP * G in m)
@@ -160,7 +161,7 @@ def test_asynchrony_stats_overall_and_by_staleness(lora_model, seqs):
     model = lora_model
     advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
     model.zero_grad(set_to_none=True)
-    stats = trainer.compute_loss_and_backward(model, seqs, advantages, trainer.make_microbatches(seqs, BUDGET),
+    stats = trainer.compute_loss_and_backward(model, seqs, advantages, shared_prompt.make_microbatches(seqs, BUDGET),
                                               epsilon=EPS, epsilon_high=EPS_HIGH, temperature=T, version=3)
     with torch.no_grad():
         lp = trainer.plain_logprobs(model, seqs, list(range(len(seqs))), T)  # (B, C)
@@ -188,7 +189,7 @@ def test_poisoned_sampler_logprobs_never_reach_the_weights_unseen(lora_model, se
     makes the step say it is not finite, so the trainer skips optimizer.step()."""
     model = lora_model
     advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
-    mbs = trainer.make_microbatches(seqs, BUDGET)
+    mbs = shared_prompt.make_microbatches(seqs, BUDGET)
     row = int(torch.nonzero(advantages < 0)[0])  # a negative-advantage completion: -r * A grows with r
     for value, finite in [(-1e29, True), (float("nan"), False)]:
         poisoned = [dict(s) for s in seqs]
@@ -197,29 +198,29 @@ def test_poisoned_sampler_logprobs_never_reach_the_weights_unseen(lora_model, se
         stats = trainer.compute_loss_and_backward(model, poisoned, advantages, mbs, temperature=T, version=2)
         assert stats["finite"] is finite
         if finite:
-            assert grpo_loss.all_finite(p.grad for p in trainer.lora_parameters(model))
+            assert grpo_loss.all_finite(p.grad for p in trainer_state.lora_parameters(model))
             assert stats["ratio_max"] == pytest.approx(torch.exp(torch.tensor(grpo_loss.LOG_RATIO_MAX)).item())
 
 
 def test_microbatches_hold_whole_groups_and_count_each_prompt_once(seqs):
     for budget in (1, 60, 90, 200, 10**6):
-        mbs = trainer.make_microbatches(seqs, budget)
+        mbs = shared_prompt.make_microbatches(seqs, budget)
         assert sorted(i for m in mbs for i in m) == list(range(len(seqs)))
         for m in mbs:
-            groups = trainer.by_group(seqs, m)
+            groups = shared_prompt.by_group(seqs, m)
             assert all(len(g) == G for g in groups), "a group was split across micro-batches"
             cost = (len(groups) * max(len(seqs[i]["prompt_ids"]) for i in m)
                     + len(m) * max(len(seqs[i]["ids"]) for i in m))
             assert cost <= budget or len(groups) == 1
-    assert len(trainer.make_microbatches(seqs, 10**6)) == 1
-    assert len(trainer.make_microbatches(seqs, 1)) == len(PROMPT_LENGTHS)
+    assert len(shared_prompt.make_microbatches(seqs, 10**6)) == 1
+    assert len(shared_prompt.make_microbatches(seqs, 1)) == len(PROMPT_LENGTHS)
 
 
 def test_a_step_of_equal_reward_groups_forwards_nothing(lora_model, seqs):
     equal = [dict(s, reward=1.0) for s in seqs]
     advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in equal]), G)  # (B,) all 0
     lora_model.zero_grad(set_to_none=True)
-    stats = trainer.compute_loss_and_backward(lora_model, equal, advantages, trainer.make_microbatches(equal, BUDGET))
+    stats = trainer.compute_loss_and_backward(lora_model, equal, advantages, shared_prompt.make_microbatches(equal, BUDGET))
     assert stats["groups_forwarded"] == 0 and stats["loss"] == 0.0 and stats["finite"]
     assert stats["ratio_mean"] is None and stats["ratio_max"] is None and stats["by_staleness"] == {}
-    assert all(p.grad is None for p in trainer.lora_parameters(lora_model))
+    assert all(p.grad is None for p in trainer_state.lora_parameters(lora_model))

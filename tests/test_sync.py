@@ -19,6 +19,7 @@ import time
 import pytest
 
 import sync
+from support import buckets
 from conftest import ROOT, free_port, wait_port
 
 
@@ -53,8 +54,8 @@ def run_cli(*args, env=None):
 def test_empty_bucket(bucket_url, tmp_path):
     assert sync.latest_version(bucket_url) is None
     assert sync.versions(bucket_url) == []
-    assert sync.read_metrics(bucket_url) == []
-    assert sync.load_trainer_state(bucket_url, str(tmp_path / "state")) is None
+    assert buckets.read_metrics(bucket_url) == []
+    assert buckets.load_trainer_state(bucket_url, str(tmp_path / "state")) is None
 
 
 def test_publish_pull_round_trip(bucket_url, tmp_path):
@@ -63,7 +64,7 @@ def test_publish_pull_round_trip(bucket_url, tmp_path):
     assert manifest["version"] == 0 and manifest["base_model"] == "tiny" and manifest["step"] == 0
     assert manifest["files"] == {n: {"sha256": hashlib.sha256(d).hexdigest(), "bytes": len(d)}
                                  for n, d in content.items()}
-    b = sync.open_bucket(bucket_url)
+    b = buckets.open_bucket(bucket_url)
     assert b.list("adapters/") == ["adapters/LATEST", "adapters/v000000/adapter_config.json",
                                    "adapters/v000000/adapter_model.safetensors",
                                    "adapters/v000000/manifest.json"]
@@ -87,7 +88,7 @@ def test_publish_pull_round_trip(bucket_url, tmp_path):
 
     with open(weights, "wb") as f:  # ...but only while it verifies
         f.write(b"garbage")
-    with pytest.raises(sync.BucketError, match="v000000"):
+    with pytest.raises(buckets.BucketError, match="v000000"):
         sync.pull_adapter(b, 0, str(tmp_path / "pulled"), timeout=0.3)
 
 
@@ -97,12 +98,12 @@ def test_refuses_republishing(bucket_url, tmp_path):
     sync.publish_adapter(bucket_url, str(tmp_path / "a"), 1, keep=1)  # v0 is pruned
     assert sync.versions(bucket_url) == [1]
     make_adapter(tmp_path / "b")
-    with pytest.raises(sync.BucketError, match=r"v000001 already exists \(LATEST is 1\).*publish 2 or later"):
+    with pytest.raises(buckets.BucketError, match=r"v000001 already exists \(LATEST is 1\).*publish 2 or later"):
         sync.publish_adapter(bucket_url, str(tmp_path / "b"), 1)
-    with pytest.raises(sync.BucketError, match=r"v000000 is not newer \(LATEST is 1\)"):
+    with pytest.raises(buckets.BucketError, match=r"v000000 is not newer \(LATEST is 1\)"):
         sync.publish_adapter(bucket_url, str(tmp_path / "b"), 0)  # gone, but its number was used
     for bad in (-1, 2**31):
-        with pytest.raises(sync.BucketError, match=r"an int in \[0, 2\^31\)"):
+        with pytest.raises(buckets.BucketError, match=r"an int in \[0, 2\^31\)"):
             sync.publish_adapter(bucket_url, str(tmp_path / "b"), bad)
     assert sync.latest_version(bucket_url) == 1
     assert read_folder(sync.pull_adapter(bucket_url, 1, str(tmp_path / "p"))) == first
@@ -113,10 +114,10 @@ def test_prune_keeps_newest(bucket_url, tmp_path):
         make_adapter(tmp_path / f"a{v}", size=256)
         sync.publish_adapter(bucket_url, str(tmp_path / f"a{v}"), v, keep=3)
     assert sync.versions(bucket_url) == [5, 6, 7]
-    b = sync.open_bucket(bucket_url)
+    b = buckets.open_bucket(bucket_url)
     assert {k.split("/")[1] for k in b.list("adapters/")} == {"LATEST", "v000005", "v000006", "v000007"}
     assert read_folder(sync.pull_adapter(b, 5, str(tmp_path / "p"))) == read_folder(tmp_path / "a5")
-    with pytest.raises(sync.BucketError, match="v000004"):
+    with pytest.raises(buckets.BucketError, match="v000004"):
         sync.pull_adapter(b, 4, str(tmp_path / "p"), timeout=0.2)
     make_adapter(tmp_path / "a8", size=256)
     sync.publish_adapter(b, str(tmp_path / "a8"), 8, keep=None)
@@ -126,8 +127,8 @@ def test_prune_keeps_newest(bucket_url, tmp_path):
 def test_metrics(bucket_url):
     records = [{"step": i, "reward": i / 10, "staleness": [0, 1]} for i in range(3)]
     for r in records:
-        sync.append_metrics(bucket_url, r)
-    assert sync.read_metrics(bucket_url) == records
+        buckets.append_metrics(bucket_url, r)
+    assert buckets.read_metrics(bucket_url) == records
 
 
 def test_trainer_state_round_trip(bucket_url, tmp_path):
@@ -137,14 +138,14 @@ def test_trainer_state_round_trip(bucket_url, tmp_path):
              "rng/cuda.bin": os.urandom(100), "trainer.json": b'{"step": 10, "version": 2}'}
     for rel, data in first.items():
         (state / rel).write_bytes(data)
-    sync.save_trainer_state(bucket_url, str(state))
-    assert read_folder(sync.load_trainer_state(bucket_url, str(tmp_path / "l1")), skip=()) == first
+    buckets.save_trainer_state(bucket_url, str(state))
+    assert read_folder(buckets.load_trainer_state(bucket_url, str(tmp_path / "l1")), skip=()) == first
 
     (state / "optimizer.pt").write_bytes(b"newer")
-    sync.save_trainer_state(bucket_url, str(state))
-    assert read_folder(sync.load_trainer_state(bucket_url, str(tmp_path / "l2")), skip=()) == {
+    buckets.save_trainer_state(bucket_url, str(state))
+    assert read_folder(buckets.load_trainer_state(bucket_url, str(tmp_path / "l2")), skip=()) == {
         **first, "optimizer.pt": b"newer"}
-    b = sync.open_bucket(bucket_url)
+    b = buckets.open_bucket(bucket_url)
     state_id = json.loads(b.read("trainer/STATE"))["id"]
     assert all(k == "trainer/STATE" or k.startswith(f"trainer/{state_id}/") for k in b.list("trainer/"))
 
@@ -158,7 +159,7 @@ def test_concurrent_publish_and_pull(bucket_url, tmp_path):
     lock = threading.Lock()
 
     def writer():
-        b = sync.open_bucket(bucket_url)
+        b = buckets.open_bucket(bucket_url)
         try:
             for v in range(n_versions):
                 published[v] = make_adapter(tmp_path / "w" / f"a{v}", size=64 * 1024)
@@ -167,7 +168,7 @@ def test_concurrent_publish_and_pull(bucket_url, tmp_path):
             done.set()
 
     def reader(i):
-        b = sync.open_bucket(bucket_url)
+        b = buckets.open_bucket(bucket_url)
         while True:
             finished = done.is_set()
             v = sync.latest_version(b)
@@ -176,7 +177,7 @@ def test_concurrent_publish_and_pull(bucket_url, tmp_path):
                     dest = sync.pull_adapter(b, v, str(tmp_path / f"r{i}"), timeout=0.5)
                     got = read_folder(dest)
                     shutil.rmtree(dest)  # so that every pull is a real transfer
-                except sync.BucketError as e:  # fine only if the writer pruned v meanwhile
+                except buckets.BucketError as e:  # fine only if the writer pruned v meanwhile
                     still_there = v in sync.versions(b)
                     with lock:
                         results["bad" if still_there else "pruned"] += [str(e)] if still_there else 1
@@ -205,7 +206,7 @@ def test_concurrent_publish_and_pull(bucket_url, tmp_path):
 def _scratch_version(tmp_path, version):
     """The exact keys publish_adapter writes for one version, taken from a scratch bucket."""
     make_adapter(tmp_path / "src", size=50_000)
-    scratch = sync.open_bucket(str(tmp_path / "scratch"))
+    scratch = buckets.open_bucket(str(tmp_path / "scratch"))
     sync.publish_adapter(scratch, str(tmp_path / "src"), version)
     return {k: scratch.read(k) for k in scratch.list(f"adapters/v{version:06d}/")}
 
@@ -260,7 +261,7 @@ def test_eventual_consistency_timeout_names_the_file(tmp_path):
     for key in ("adapters/v000003/manifest.json", "adapters/v000003/adapter_config.json"):
         _put(root, key, keys[key])  # adapter_model.safetensors never lands
     start = time.monotonic()
-    with pytest.raises(sync.BucketError) as err:
+    with pytest.raises(buckets.BucketError) as err:
         sync.pull_adapter(root, sync.latest_version(root), str(tmp_path / "pulled"), timeout=1.0)
     assert 1.0 <= time.monotonic() - start < 5.0
     msg = str(err.value)
@@ -275,15 +276,15 @@ def test_kill_during_trainer_state_save(bucket_url, tmp_path):
     before = {"trainer.json": b'{"step": 5}', "optimizer.pt": os.urandom(2000)}
     for rel, data in before.items():
         (small / rel).write_bytes(data)
-    sync.save_trainer_state(bucket_url, str(small))
-    b = sync.open_bucket(bucket_url)
+    buckets.save_trainer_state(bucket_url, str(small))
+    b = buckets.open_bucket(bucket_url)
     old_id = json.loads(b.read("trainer/STATE"))["id"]
 
     big = tmp_path / "big"
     big.mkdir()
     for i in range(2000):  # many files, so that the save takes long enough to be caught midway
         (big / f"shard{i:04d}.bin").write_bytes(os.urandom(4096))
-    proc = subprocess.Popen([sys.executable, "-c", "import sys, sync; sync.save_trainer_state(*sys.argv[1:])",
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from support import buckets; buckets.save_trainer_state(*sys.argv[1:])",
                              bucket_url, str(big)], cwd=ROOT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -294,13 +295,13 @@ def test_kill_during_trainer_state_save(bucket_url, tmp_path):
         time.sleep(0.002)
     assert proc.wait(timeout=30) == -signal.SIGKILL, "the save ended before it could be killed"
     assert json.loads(b.read("trainer/STATE"))["id"] == old_id
-    assert read_folder(sync.load_trainer_state(b, str(tmp_path / "loaded")), skip=()) == before
+    assert read_folder(buckets.load_trainer_state(b, str(tmp_path / "loaded")), skip=()) == before
 
     (small / "trainer.json").write_bytes(b'{"step": 6}')  # the next save also clears the leftovers
-    sync.save_trainer_state(b, str(small))
+    buckets.save_trainer_state(b, str(small))
     new_id = json.loads(b.read("trainer/STATE"))["id"]
     assert all(k == "trainer/STATE" or k.startswith(f"trainer/{new_id}/") for k in b.list("trainer/"))
-    assert sync.load_trainer_state(b, str(tmp_path / "loaded2"))
+    assert buckets.load_trainer_state(b, str(tmp_path / "loaded2"))
     assert (tmp_path / "loaded2" / "trainer.json").read_bytes() == b'{"step": 6}'
 
 
@@ -328,18 +329,18 @@ def test_import_without_torch():
 
 
 def test_bad_urls():
-    with pytest.raises(sync.BucketError, match="mount it"):
-        sync.open_bucket("hf://buckets/me/run")
-    with pytest.raises(sync.BucketError, match="a directory or s3://bucket/prefix"):
-        sync.open_bucket("gs://bucket/x")
+    with pytest.raises(buckets.BucketError, match="mount it"):
+        buckets.open_bucket("hf://buckets/me/run")
+    with pytest.raises(buckets.BucketError, match="a directory or s3://bucket/prefix"):
+        buckets.open_bucket("gs://bucket/x")
 
 
 def test_missing_s3_bucket(s3_server, tmp_path):
     url = "s3://no-such-bucket-4242/run"
-    with pytest.raises(sync.BucketError, match="bucket 'no-such-bucket-4242' does not exist"):
+    with pytest.raises(buckets.BucketError, match="bucket 'no-such-bucket-4242' does not exist"):
         sync.latest_version(url)
     make_adapter(tmp_path / "a")
-    with pytest.raises(sync.BucketError, match="does not exist.*create it"):
+    with pytest.raises(buckets.BucketError, match="does not exist.*create it"):
         sync.publish_adapter(url, str(tmp_path / "a"), 0)
     r = run_cli("ls", url)
     assert r.returncode == 1 and r.stderr.startswith("sync.py: error: s3://no-such-bucket-4242/run: bucket")
@@ -352,7 +353,7 @@ def test_unreachable_endpoint(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     start = time.monotonic()
-    with pytest.raises(sync.BucketError, match=f"cannot reach the S3 endpoint http://127.0.0.1:{port}.*AWS_ENDPOINT_URL"):
+    with pytest.raises(buckets.BucketError, match=f"cannot reach the S3 endpoint http://127.0.0.1:{port}.*AWS_ENDPOINT_URL"):
         sync.latest_version("s3://bucket/run")
     assert time.monotonic() - start < 20
 
@@ -366,7 +367,7 @@ def test_no_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(sync.BucketError, match="no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+    with pytest.raises(buckets.BucketError, match="no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
         sync.latest_version("s3://bucket/run")
 
 
@@ -385,7 +386,7 @@ def test_wrong_credentials(monkeypatch):
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "made-up")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "made-up")
         boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="locked")
-        with pytest.raises(sync.BucketError, match=r"access denied \(InvalidAccessKeyId\).*AWS_ACCESS_KEY_ID"):
+        with pytest.raises(buckets.BucketError, match=r"access denied \(InvalidAccessKeyId\).*AWS_ACCESS_KEY_ID"):
             sync.latest_version("s3://locked/run")
     finally:
         proc.kill()
@@ -396,10 +397,10 @@ def test_wrong_credentials(monkeypatch):
 
 def test_metrics_a_redone_step_replaces_its_record(bucket_url):
     for step in (1, 2, 3):
-        sync.append_metrics(bucket_url, {"step": step, "loss": step / 10})
-    sync.append_metrics(bucket_url, {"step": 2, "loss": 0.25})  # the trainer resumed from step 1 and redid step 2
+        buckets.append_metrics(bucket_url, {"step": step, "loss": step / 10})
+    buckets.append_metrics(bucket_url, {"step": 2, "loss": 0.25})  # the trainer resumed from step 1 and redid step 2
     want = [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": 0.3}]
-    assert sync.read_metrics(bucket_url) == want
+    assert buckets.read_metrics(bucket_url) == want
     r = run_cli("metrics", bucket_url)
     assert r.returncode == 0 and [json.loads(line) for line in r.stdout.splitlines()] == want, r.stderr
 
@@ -407,26 +408,26 @@ def test_metrics_a_redone_step_replaces_its_record(bucket_url):
 def test_metrics_survive_a_read_that_misses_the_history(bucket_url):
     """The history is invisible while step 4 is recorded (a mount not caught up, S3 answering
     NoSuchKey); once it shows again every step is there: nothing was rewritten from the bad read."""
-    b = sync.open_bucket(bucket_url)
+    b = buckets.open_bucket(bucket_url)
     for step in (1, 2, 3):
-        sync.append_metrics(b, {"step": step})
+        buckets.append_metrics(b, {"step": step})
     hidden = {k: b.read(k) for k in b.list()}
     for k in hidden:
         b.delete(k)
-    sync.append_metrics(b, {"step": 4})
+    buckets.append_metrics(b, {"step": 4})
     for k, data in hidden.items():  # the old objects show again; what was written meanwhile is newer and stays
         if b.read(k) is None:
             b.write(k, data)
-    assert [r["step"] for r in sync.read_metrics(b)] == [1, 2, 3, 4]
+    assert [r["step"] for r in buckets.read_metrics(b)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("value", [b'{"version": Infinity}', b'{"version": NaN}', b'{"version": -1}',
                                    b'{"version": "3"}', b'{"version": true}', b'{"version": 2.5}', b"[3]",
                                    b'{"version": 100000000000000000000}', b'{"version": 2147483648}'])
 def test_a_corrupt_latest_is_a_clear_error(tmp_path, value):
-    b = sync.open_bucket(str(tmp_path / "bucket"))
+    b = buckets.open_bucket(str(tmp_path / "bucket"))
     b.write("adapters/LATEST", value)
-    with pytest.raises(sync.BucketError, match=r"adapters/LATEST holds .*not \{\"version\": N\}.*delete it"):
+    with pytest.raises(buckets.BucketError, match=r"adapters/LATEST holds .*not \{\"version\": N\}.*delete it"):
         sync.latest_version(b)
     b.write("adapters/LATEST", b'{"version": 1')  # torn on a mount: as if not written yet
     assert sync.latest_version(b) is None
@@ -442,10 +443,10 @@ def test_the_trainer_state_id_is_checked(tmp_path, value):
     (outside / "state.pt").write_bytes(b"planted")
     entry = {"sha256": hashlib.sha256(b"planted").hexdigest(), "bytes": 7}
     (outside / "manifest.json").write_text(json.dumps({"files": {"state.pt": entry}}))
-    b = sync.open_bucket(str(tmp_path / "bucket"))
+    b = buckets.open_bucket(str(tmp_path / "bucket"))
     b.write("trainer/STATE", value)
-    with pytest.raises(sync.BucketError, match=r"trainer/STATE holds .*delete it to start training afresh"):
-        sync.load_trainer_state(b, str(tmp_path / "loaded"), timeout=0.5)
+    with pytest.raises(buckets.BucketError, match=r"trainer/STATE holds .*delete it to start training afresh"):
+        buckets.load_trainer_state(b, str(tmp_path / "loaded"), timeout=0.5)
     assert not (tmp_path / "loaded").exists()
 
 
@@ -454,9 +455,9 @@ def test_unsafe_names_in_a_manifest_are_refused(bucket_url, tmp_path, name):
     make_adapter(tmp_path / "a")
     manifest = sync.publish_adapter(bucket_url, str(tmp_path / "a"), 0)
     manifest["files"][name] = {"sha256": "0" * 64, "bytes": 1}
-    b = sync.open_bucket(bucket_url)
+    b = buckets.open_bucket(bucket_url)
     b.write("adapters/v000000/manifest.json", json.dumps(manifest).encode())
-    with pytest.raises(sync.BucketError, match=r"adapters/v000000/manifest.json: .* is not a safe file name"):
+    with pytest.raises(buckets.BucketError, match=r"adapters/v000000/manifest.json: .* is not a safe file name"):
         sync.pull_adapter(b, 0, str(tmp_path / "pulled"), timeout=0.5)
 
 
@@ -465,7 +466,7 @@ def test_publish_refuses_an_unsafe_local_name_and_skips_hidden_files(tmp_path):
     (tmp_path / "a" / ".DS_Store").write_bytes(b"x")
     assert ".DS_Store" not in sync.publish_adapter(str(tmp_path / "b"), str(tmp_path / "a"), 0)["files"]
     (tmp_path / "a" / "my notes.txt").write_bytes(b"x")
-    with pytest.raises(sync.BucketError, match="'my notes.txt' is not a safe file name"):
+    with pytest.raises(buckets.BucketError, match="'my notes.txt' is not a safe file name"):
         sync.publish_adapter(str(tmp_path / "b"), str(tmp_path / "a"), 1)
 
 
@@ -474,33 +475,33 @@ def test_a_directory_bucket_follows_no_symlink(tmp_path):
     outside, root = tmp_path / "outside", tmp_path / "bucket"
     make_adapter(tmp_path / "a")
     sync.publish_adapter(str(outside), str(tmp_path / "a"), 1)  # a complete v1, outside the bucket
-    b = sync.open_bucket(str(root))
+    b = buckets.open_bucket(str(root))
     b.write("adapters/LATEST", b'{"version": 1}')
     os.symlink(outside / "adapters" / "v000001", root / "adapters" / "v000001")
-    with pytest.raises(sync.BucketError, match="goes through the symlink 'v000001'"):
+    with pytest.raises(buckets.BucketError, match="goes through the symlink 'v000001'"):
         sync.pull_adapter(b, 1, str(tmp_path / "pulled"), timeout=0.5)
     os.remove(root / "adapters" / "LATEST")
     os.symlink(outside / "adapters" / "LATEST", root / "adapters" / "LATEST")
-    with pytest.raises(sync.BucketError, match="symlink 'LATEST'"):
+    with pytest.raises(buckets.BucketError, match="symlink 'LATEST'"):
         sync.latest_version(b)
     before = read_folder(outside, skip=())
     os.symlink(outside, root / "trainer")  # the writer's turn: folders that lead outside
     os.symlink(outside, root / "metrics")
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "state.pt").write_bytes(b"x")
-    with pytest.raises(sync.BucketError, match="symlink 'trainer'"):
-        sync.save_trainer_state(b, str(tmp_path / "state"))
-    with pytest.raises(sync.BucketError, match="symlink 'metrics'"):
-        sync.append_metrics(b, {"step": 1})
+    with pytest.raises(buckets.BucketError, match="symlink 'trainer'"):
+        buckets.save_trainer_state(b, str(tmp_path / "state"))
+    with pytest.raises(buckets.BucketError, match="symlink 'metrics'"):
+        buckets.append_metrics(b, {"step": 1})
     assert read_folder(outside, skip=()) == before, "something was written outside the bucket"
 
 
 def test_no_temp_file_outlives_a_write(tmp_path):
     """A write that fails leaves no temp file; one a kill left behind is pruned with its version or state."""
     root = tmp_path / "bucket"
-    b = sync.open_bucket(str(root))
+    b = buckets.open_bucket(str(root))
     (root / "adapters" / "LATEST").mkdir(parents=True)  # a folder where the file goes: the rename fails
-    with pytest.raises(sync.BucketError, match="cannot write"):
+    with pytest.raises(buckets.BucketError, match="cannot write"):
         b.write("adapters/LATEST", b'{"version": 0}')
     assert os.listdir(root / "adapters") == ["LATEST"]
     os.rmdir(root / "adapters" / "LATEST")
@@ -512,7 +513,7 @@ def test_no_temp_file_outlives_a_write(tmp_path):
     (root / "trainer" / "20250101-000000-0a1b2c3d").mkdir(parents=True)  # a killed save's first file
     (root / "trainer" / "20250101-000000-0a1b2c3d" / ".state.pt.1a2b3c4d.tmp").write_bytes(b"half")
     sync.publish_adapter(b, str(tmp_path / "a"), 1, keep=1)
-    sync.save_trainer_state(b, str(tmp_path / "s"))
+    buckets.save_trainer_state(b, str(tmp_path / "s"))
     assert sorted(os.listdir(root / "adapters")) == ["LATEST", "v000001"]
     assert [p.name for p in root.rglob("*.tmp")] == []
 
@@ -564,11 +565,11 @@ def test_a_bad_adapter_is_reported_on_stderr_and_not_waited_for_twice(tmp_path, 
     sync.publish_adapter(root, str(tmp_path / "a"), 0)
     _put(root, "adapters/v000000/adapter_model.safetensors", b"garbage")
     cache = sync.AdapterCache(str(tmp_path / "cache"))
-    with pytest.raises(sync.BucketError, match="adapter_model.safetensors has 7 bytes not matching"):
+    with pytest.raises(buckets.BucketError, match="adapter_model.safetensors has 7 bytes not matching"):
         cache.pull(root, 0, timeout=0.5)
     assert (f"sync.py: {root}: waiting for adapter v000000: adapters/v000000/adapter_model.safetensors has 7 "
             "bytes not matching") in capfd.readouterr().err
-    with pytest.raises(sync.BucketError, match="not matching"):
+    with pytest.raises(buckets.BucketError, match="not matching"):
         cache.pull(root, 0, timeout=60)  # one look, no second wait
     assert "waiting for" not in capfd.readouterr().err
 
@@ -581,15 +582,15 @@ def test_temp_files_of_killed_writes_are_pruned_at_publish(tmp_path):
     root = tmp_path / "bucket"
     make_adapter(tmp_path / "a")
     sync.publish_adapter(str(root), str(tmp_path / "a"), 0)
-    sync.append_metrics(str(root), {"step": 1})
+    buckets.append_metrics(str(root), {"step": 1})
     old = ["adapters/.LATEST.0a1b2c3d.tmp", "metrics/.step-000002.json.deadbeef.tmp"]
     fresh, other = "adapters/.LATEST.11111111.tmp", "metrics/.notes.tmp"  # in flight / not ours
     for key in old + [fresh, other]:
         _put(str(root), key, b"{")
     for key in old + [other]:
-        os.utime(root / key, (time.time() - sync.TEMP_MAX_AGE_S - 5,) * 2)
+        os.utime(root / key, (time.time() - buckets.TEMP_MAX_AGE_S - 5,) * 2)
     sync.publish_adapter(str(root), str(tmp_path / "a"), 1)
-    left = set(sync.open_bucket(str(root)).list())
+    left = set(buckets.open_bucket(str(root)).list())
     assert not left & set(old), left
     assert {fresh, other} <= left and sync.latest_version(str(root)) == 1
 
@@ -602,13 +603,13 @@ def test_a_folder_of_the_user_named_like_a_version_is_not_deleted(tmp_path):
     (cache_dir / "v000001").mkdir(parents=True)
     (cache_dir / "v000001" / "thesis.tex").write_bytes(b"mine")
     cache = sync.AdapterCache(str(cache_dir))
-    with pytest.raises(sync.BucketError, match=r"v000001 exists and was not made by sync.py.*move it away"):
+    with pytest.raises(buckets.BucketError, match=r"v000001 exists and was not made by sync.py.*move it away"):
         cache.pull(bucket, 1, timeout=0.5)
     assert (cache_dir / "v000001" / "thesis.tex").read_bytes() == b"mine"
     path = sync.pull_adapter(bucket, 1, str(tmp_path / "ok"))  # a copy sync.py made, then changed: replaced
     with open(os.path.join(path, "adapter_model.safetensors"), "ab") as f:
         f.write(b"x")
-    assert sync.pull_adapter(bucket, 1, str(tmp_path / "ok")) == path and sync._verified_local(path)
+    assert sync.pull_adapter(bucket, 1, str(tmp_path / "ok")) == path and buckets.verified_local(path)
 
 
 def test_a_version_folder_past_the_limit_is_refused(tmp_path):
@@ -616,7 +617,7 @@ def test_a_version_folder_past_the_limit_is_refused(tmp_path):
     make_adapter(tmp_path / "a")
     sync.publish_adapter(root, str(tmp_path / "a"), 0)
     _put(root, "adapters/v100000000000000000000/manifest.json", b"{}")
-    with pytest.raises(sync.BucketError, match=r"past the versions' limit 2\^31 - 1.*delete that folder"):
+    with pytest.raises(buckets.BucketError, match=r"past the versions' limit 2\^31 - 1.*delete that folder"):
         sync.versions(root)
 
 
@@ -628,8 +629,8 @@ def test_a_corrupt_adapter_is_reported_as_corrupt_not_as_late(tmp_path):
     sync.publish_adapter(root, str(tmp_path / "a"), 1)
     _put(root, "adapters/v000000/adapter_model.safetensors", b"\0" * 4096)  # same size, other bytes
     _put(root, "adapters/v000001/adapter_model.safetensors", b"\0" * 10)  # fewer: a lag, or torn
-    with pytest.raises(sync.CorruptAdapter, match="adapter v000000 is corrupt: .* not matching the manifest"):
+    with pytest.raises(buckets.CorruptAdapter, match="adapter v000000 is corrupt: .* not matching the manifest"):
         sync.pull_adapter(root, 0, str(tmp_path / "p"), timeout=0)
-    with pytest.raises(sync.BucketError, match="not complete after") as e:
+    with pytest.raises(buckets.BucketError, match="not complete after") as e:
         sync.pull_adapter(root, 1, str(tmp_path / "p"), timeout=0)
-    assert not isinstance(e.value, sync.CorruptAdapter)
+    assert not isinstance(e.value, buckets.CorruptAdapter)

@@ -33,6 +33,8 @@ import pytest
 import torch
 
 import proxy
+import grpo_loss
+from support import buckets, cli, group_checks, proxy_client, shared_prompt, step_record, trainer_state
 import sync
 import trainer
 from conftest import ROOT
@@ -63,9 +65,8 @@ def fake_groups(model, n_groups, seed):
         groups.append({"group_id": f"g{gi}", "policy_version": 0, "worker": "w", "prompt": "",
                        "prompt_ids": prompt, "completions": comps})
     seqs = trainer.flatten_groups(groups, 64)
-    mb = trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
     with torch.no_grad():
-        lp = trainer.completion_logprobs(model, mb)  # (B, C)
+        lp = shared_prompt.plain_logprobs_fast(model, seqs, list(range(len(seqs))), grpo_loss.token_logprobs)  # (B, C)
     gen = torch.Generator().manual_seed(seed)
     for r, s in enumerate(seqs):
         n = len(s["ids"])
@@ -82,10 +83,10 @@ def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
     seqs = trainer.flatten_groups(fake_groups(model, 3, seed=7), 64)
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
     advantages = trainer.grpo_loss.group_advantages(rewards, G)  # (B,)
-    params = trainer.lora_parameters(model)
+    params = trainer_state.lora_parameters(model)
 
     def grads(budget):
-        mbs = trainer.make_microbatches(seqs, budget)
+        mbs = shared_prompt.make_microbatches(seqs, budget)
         model.zero_grad(set_to_none=True)
         stats = trainer.compute_loss_and_backward(model, seqs, advantages, mbs, loss_type=loss_type, beta=beta,
                                                   epsilon=0.2, epsilon_high=0.28, max_completion_length=16)
@@ -107,25 +108,25 @@ def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
 def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_path):
     """What a resume loads is what was saved: LoRA weights, AdamW moments, RNG streams."""
     bucket = str(tmp_path / "bucket")
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
-    params = trainer.lora_parameters(model)
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
+    params = trainer_state.lora_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     seqs = trainer.flatten_groups(fake_groups(model, 2, seed=3), 64)
     adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
     for _ in range(2):
         opt.zero_grad()
-        trainer.compute_loss_and_backward(model, seqs, adv, trainer.make_microbatches(seqs, 100))
+        trainer.compute_loss_and_backward(model, seqs, adv, shared_prompt.make_microbatches(seqs, 100))
         opt.step()
-    trainer.publish(model, sync.open_bucket(bucket), 1, 4, tiny_model, 2, {"step": 2, "version": 1}, opt)
+    trainer.publish(model, buckets.open_bucket(bucket), 1, 4, tiny_model, 2, {"step": 2, "version": 1}, opt)
     want_next = (random.random(), torch.rand(3))
 
-    fresh = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=5)
-    fresh_opt = torch.optim.AdamW(trainer.lora_parameters(fresh), lr=1e-2, weight_decay=0.0)
+    fresh = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=5)
+    fresh_opt = torch.optim.AdamW(trainer_state.lora_parameters(fresh), lr=1e-2, weight_decay=0.0)
     d = trainer.sync.load_trainer_state(bucket, str(tmp_path / "state"))
     state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
     assert (state["step"], state["version"]) == (2, 1)
-    trainer.restore_state(fresh, fresh_opt, d, state)
-    for a, b in zip(params, trainer.lora_parameters(fresh)):
+    trainer_state.restore_state(fresh, fresh_opt, d, state)
+    for a, b in zip(params, trainer_state.lora_parameters(fresh)):
         assert torch.equal(a, b)
     assert any(p.abs().sum() > 0 for n, p in fresh.named_parameters() if "lora_B" in n)
     for sa, sb in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values()):
@@ -139,24 +140,24 @@ def test_make_microbatches_respects_the_token_budget():
     rng = random.Random(0)
     prompts = [[1] * rng.randint(1, 20) for _ in range(10)]
     seqs = [{"prompt_ids": prompts[i // 4], "ids": [1] * rng.randint(1, 30), "group": i // 4} for i in range(40)]
-    mbs = trainer.make_microbatches(seqs, 200)
+    mbs = shared_prompt.make_microbatches(seqs, 200)
     assert sorted(i for m in mbs for i in m) == list(range(40)) and len(mbs) > 1
     for m in mbs:
         groups = {seqs[i]["group"] for i in m}
         assert all(sum(seqs[i]["group"] == g for i in m) == 4 for g in groups), "a group was split"
         cost = len(groups) * max(len(seqs[i]["prompt_ids"]) for i in m) + len(m) * max(len(seqs[i]["ids"]) for i in m)
         assert cost <= 200 or len(groups) == 1
-    assert trainer.make_microbatches([{"prompt_ids": [1] * 50, "ids": [1] * 300, "group": 0}], 100) == [[0]]
+    assert shared_prompt.make_microbatches([{"prompt_ids": [1] * 50, "ids": [1] * 300, "group": 0}], 100) == [[0]]
 
 
 def test_starting_version_never_reuses_a_number():
-    assert trainer.starting_version(None, None) == (0, True)  # a new run: publish v0
-    assert trainer.starting_version(None, 7) == (8, True)  # a bucket used before, no state
+    assert trainer_state.starting_version(None, None) == (0, True)  # a new run: publish v0
+    assert trainer_state.starting_version(None, 7) == (8, True)  # a bucket used before, no state
     saved = {"step": 10, "version": 5, "published_step": 10}
-    assert trainer.starting_version(saved, 5) == (5, False)  # LATEST holds exactly the saved weights
-    assert trainer.starting_version(saved, 9) == (10, True)  # published after the save, then killed
-    assert trainer.starting_version(dict(saved, published_step=8), 5) == (6, True)  # stepped past v5
-    assert trainer.starting_version(saved, 5, seen=[4, 5, 6]) == (7, True)  # v6 torn: killed before LATEST
+    assert trainer_state.starting_version(saved, 5) == (5, False)  # LATEST holds exactly the saved weights
+    assert trainer_state.starting_version(saved, 9) == (10, True)  # published after the save, then killed
+    assert trainer_state.starting_version(dict(saved, published_step=8), 5) == (6, True)  # stepped past v5
+    assert trainer_state.starting_version(saved, 5, seen=[4, 5, 6]) == (7, True)  # v6 torn: killed before LATEST
 
 
 # ----------------------------------------------------------------------------- real processes
@@ -212,9 +213,9 @@ def test_truncated_means_ended_without_eos_as_trl_counts_it():
     cut = dict(comp, ids=[5] * 5, logprobs=[-1.0] * 5, finish_reason="stop")  # 5 tokens > the limit 4
     seqs = trainer.flatten_groups([group, {**group, "completions": [cut] * 4}], 4)
     assert [s["truncated"] for s in seqs] == [False, True, False, True] + [True] * 4
-    a = trainer.parse_args(["--model", "m", "--bucket", "b", "--proxy", "p"])
+    a = cli.trainer_args(["--model", "m", "--bucket", "b", "--proxy", "p"])
     assert a.use_bias_correction_kl and not a.mask_truncated_completions  # TRL 1.16's defaults
-    a = trainer.parse_args(["--model", "m", "--bucket", "b", "--proxy", "p",
+    a = cli.trainer_args(["--model", "m", "--bucket", "b", "--proxy", "p",
                             "--no-use-bias-correction-kl", "--mask-truncated-completions"])
     assert not a.use_bias_correction_kl and a.mask_truncated_completions
 
@@ -223,7 +224,7 @@ def test_run_learns_the_toy_task(cluster, tiny_model):
     r = subprocess.run(cluster.cmd(24, "--save-every", "10"), cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    recs = sync.read_metrics(cluster.bucket)
+    recs = buckets.read_metrics(cluster.bucket)
     assert [m["step"] for m in recs] == list(range(1, 25))
     first = sum(m["reward_mean"] for m in recs[:5]) / 5
     last = sum(m["reward_mean"] for m in recs[-5:]) / 5
@@ -280,7 +281,7 @@ def test_sigkill_and_restart_resumes(cluster):
     assert v2[0] > max(v1), "the restart republishes the saved weights under a new number"
     assert v1 + v2 == sorted(set(v1 + v2)), f"a version was published twice: {v1} then {v2}"
     assert sync.latest_version(cluster.bucket) == v2[-1]
-    recs = sync.read_metrics(cluster.bucket)
+    recs = buckets.read_metrics(cluster.bucket)
     assert {m["step"] for m in recs} == set(range(1, 17))
     resumed = [m for m in recs if m["version"] >= v2[0]]
     assert [m["step"] for m in resumed] == list(range(5, 17))  # steps 5..7 of run 1 were redone
@@ -310,7 +311,7 @@ def test_user_errors_are_one_clear_line(tiny_model, tmp_path, proxy_url, s3_serv
 def test_a_replica_that_reads_another_bucket_is_diagnosed(tiny_model, tmp_path, proxy_url):
     """The replica follows a bucket that only ever holds v0: it says so, the trainer starves on clear terms."""
     wrong, bucket = str(tmp_path / "wrong"), str(tmp_path / "bucket")
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16)
     model.save_pretrained(str(tmp_path / "v0"))
     sync.publish_adapter(wrong, str(tmp_path / "v0"), 0)
     replica = start_replica(tiny_model, wrong, proxy_url, tmp_path / "replica.log")
@@ -334,7 +335,7 @@ def test_a_group_with_token_ids_outside_the_vocabulary_is_dropped(capfd):
     """A replica (broken or hostile) can send any id below 2^31: the trainer must not index its embedding with it."""
     server, _ = proxy.serve(port=0, num_generations=2, max_new_tokens=4)
     try:
-        client = proxy.ProxyClient(f"http://127.0.0.1:{server.server_address[1]}")
+        client = proxy_client.ProxyClient(f"http://127.0.0.1:{server.server_address[1]}")
         client.set_version(0)
 
         def group(gid, token):
@@ -358,9 +359,8 @@ def crafted(model, group, shift=-19.9):
     """The group with every sampler log-prob set to the current policy's + shift: what a replica that
     holds the current adapter can send (ratio e^19.9 ~ 4.4e8, just under grpo_loss.LOG_RATIO_MAX)."""
     seqs = trainer.flatten_groups([group], 64)
-    mb = trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
     with torch.no_grad():
-        lp = trainer.completion_logprobs(model, mb)  # (G, C)
+        lp = shared_prompt.plain_logprobs_fast(model, seqs, list(range(len(seqs))), grpo_loss.token_logprobs)  # (G, C)
     for r, c in enumerate(group["completions"]):
         c["logprobs"] = [x + shift for x in lp[r, :len(c["ids"])].tolist()]
     return group
@@ -369,7 +369,7 @@ def crafted(model, group, shift=-19.9):
 def test_one_crafted_group_cannot_steer_the_step_by_default(lora_model):
     """1 crafted group among 15 honest ones: with the trainer's default --delta the step's gradient
     points where the honest groups' does (cosine >= 0.9), and the crafted group is named."""
-    model, args = lora_model, trainer.parse_args(["--model", "m", "--bucket", "b", "--proxy", "p"])
+    model, args = lora_model, cli.trainer_args(["--model", "m", "--bucket", "b", "--proxy", "p"])
     groups = fake_groups(model, 16, seed=11)
     groups[15] = crafted(model, groups[15])  # rewards (ci + 15) % 3 == 0: two negative advantages
 
@@ -377,9 +377,9 @@ def test_one_crafted_group_cannot_steer_the_step_by_default(lora_model):
         seqs = trainer.flatten_groups(gs, 64)
         adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
         model.zero_grad(set_to_none=True)
-        stats = trainer.compute_loss_and_backward(model, seqs, adv, trainer.make_microbatches(seqs, 10**9),
+        stats = trainer.compute_loss_and_backward(model, seqs, adv, shared_prompt.make_microbatches(seqs, 10**9),
                                                   delta=args.delta, epsilon_high=args.epsilon_high)
-        return torch.cat([p.grad.flatten() for p in trainer.lora_parameters(model)]), stats
+        return torch.cat([p.grad.flatten() for p in trainer_state.lora_parameters(model)]), stats
 
     honest, _ = gradient(groups[:15])
     step, stats = gradient(groups)
@@ -387,7 +387,7 @@ def test_one_crafted_group_cannot_steer_the_step_by_default(lora_model):
     print(f"delta {args.delta}: cosine with the honest groups {cosine:.4f}, |step| {step.norm():.3g} "
           f"|honest| {honest.norm():.3g}")
     assert cosine >= 0.9 and step.norm() < 2 * honest.norm()
-    assert list(stats["absurd_ratio"]) == [15] and stats["absurd_ratio"][15] > trainer.ABSURD_RATIO
+    assert list(stats["absurd_ratio"]) == [15] and stats["absurd_ratio"][15] > step_record.ABSURD_RATIO
 
 
 def good_group(gid, worker="honest", n=4, prompt=(5, 6, 7)):
@@ -420,12 +420,12 @@ def unusable_groups():
 
 def test_group_problem_names_each_unusable_group():
     limits = {"num_generations": 4, "context": 2048, "reward_range": [0, 1]}
-    assert trainer.group_problem(good_group("ok"), 100, **limits) is None
+    assert group_checks.group_problem(good_group("ok"), 100, **limits) is None
     for kind, g in unusable_groups():
-        assert trainer.group_problem(g, 100, **limits)[0] == kind, g["group_id"]
+        assert group_checks.group_problem(g, 100, **limits)[0] == kind, g["group_id"]
     huge = good_group("huge")  # no reward_range served: no bound but finiteness
     huge["completions"][0]["reward"] = 1e20
-    assert trainer.group_problem(huge, 100, 4, 2048) is None
+    assert group_checks.group_problem(huge, 100, 4, 2048) is None
 
 
 class PassThroughProxy(http.server.BaseHTTPRequestHandler):
@@ -465,7 +465,7 @@ def test_the_trainer_drops_and_reports_groups_it_cannot_use(tiny_model, tmp_path
     """A real trainer.py behind a proxy that checks nothing: every unusable group is dropped with a line
     naming its worker and why, counted in the step's groups_dropped; the step still has its 2 groups;
     the crafted one among them (ratio ~4e8) is named and, under the default delta, inert."""
-    model = trainer.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)  # the trainer's v0 (B = 0)
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)  # the trainer's v0 (B = 0)
     model.eval()
     bad = unusable_groups()
     handler = type("Handler", (PassThroughProxy,), {
@@ -487,7 +487,7 @@ def test_the_trainer_drops_and_reports_groups_it_cannot_use(tiny_model, tmp_path
     for kind, g in bad:
         assert f"dropped group {g['group_id']} from evil: " in r.stderr, (g["group_id"], r.stderr[-3000:])
     assert re.search(r"group crafted from evil: importance ratio \S+ > 1000", r.stderr), r.stderr[-2000:]
-    (rec,) = sync.read_metrics(bucket)
+    (rec,) = buckets.read_metrics(bucket)
     want = {}
     for kind, _ in bad:
         want[kind] = want.get(kind, 0) + 1

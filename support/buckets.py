@@ -1,5 +1,5 @@
-"""sync.py's support: the bucket backends (a directory, S3), the trainer's resume state, the
-metrics records, the command line. Not needed to follow an adapter's hand-off (sync.py).
+"""sync.py's storage underneath: the bucket backends (a directory, S3), the verified fetch, the
+trainer's resume state, the metrics records. Not needed to follow an adapter's hand-off (sync.py).
 
     python -m pytest tests/test_sync.py -q
 
@@ -7,11 +7,9 @@ A Bucket is the storage interface (read, write, list, delete of '/'-separated ke
 publish, find and pull go through: DirBucket for a local or mounted directory, S3Bucket for
 s3://bucket/prefix; both ride out an outage once they worked (Bucket._retrying). The trainer's
 resume state is saved as an adapter is published: its files, a manifest, then one small object
-naming it (trainer/STATE). This file imports sync only inside the functions that call it (sync.py
-imports this one).
+naming it (trainer/STATE). This module imports no role file.
 """
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -43,7 +41,7 @@ class _Outage(Exception):
     Bucket.retry_s."""
 
 
-def _entry(data):
+def manifest_entry(data):
     """A file's line in a manifest: its sha256 and its size."""
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
@@ -53,8 +51,8 @@ def _entry(data):
 def save_trainer_state(bucket, local_dir):
     """Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
     then delete older states: a crash at any point leaves the previous state loadable."""
-    b, src = _open(bucket), DirBucket(local_dir)
-    files = {_safe_name(local_dir, rel): src.read(rel) for rel in src.list()}
+    b, src = as_bucket(bucket), DirBucket(local_dir)
+    files = {safe_name(local_dir, rel): src.read(rel) for rel in src.list()}
     if MANIFEST in files:
         raise BucketError(f"{local_dir}/{MANIFEST}: that name is reserved for sync.py's manifest")
     state_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
@@ -62,7 +60,7 @@ def save_trainer_state(bucket, local_dir):
     for rel, data in files.items():
         b.write(prefix + rel, data)
     manifest = {"id": state_id, "created": time.time(),
-                "files": {k: _entry(v) for k, v in files.items()}}
+                "files": {k: manifest_entry(v) for k, v in files.items()}}
     b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
     b.write(STATE, json.dumps({"id": state_id}).encode())  # the switch: one small object
     for key in b.list("trainer/"):  # the previous state, and leftovers of crashed saves
@@ -70,7 +68,7 @@ def save_trainer_state(bucket, local_dir):
             b.delete(key)
 
 
-def _state_id(b):
+def current_state_id(b):
     """The ID trainer/STATE names (None when there is none); BucketError if it is torn or not an
     ID."""
     if (raw := b.read(STATE)) is None:
@@ -86,12 +84,10 @@ def _state_id(b):
 def load_trainer_state(bucket, dest_dir, timeout=60.0):
     """Write the current trainer state's files into dest_dir and return it; None if there is
     none."""
-    import sync  # the pull's verified fetch (sync.py imports this module: not at its top)
-
-    b = _open(bucket)
-    if (state_id := _state_id(b)) is None:
+    b = as_bucket(bucket)
+    if (state_id := current_state_id(b)) is None:
         return None
-    files = sync._fetch_verified(b, f"trainer/{state_id}/", timeout, f"trainer state {state_id}")
+    files = fetch_verified(b, f"trainer/{state_id}/", timeout, f"trainer state {state_id}")
     os.makedirs(dest_dir, exist_ok=True)
     for rel, data in files.items():
         if rel != MANIFEST:
@@ -107,14 +103,14 @@ def append_metrics(bucket, record):
     step = record.get("step")
     if type(step) is not int or step < 0:
         raise BucketError(f"a metrics record needs an int \"step\" >= 0, got {step!r}")
-    _open(bucket).write(f"metrics/step-{step:06d}.json", json.dumps(record).encode())
+    as_bucket(bucket).write(f"metrics/step-{step:06d}.json", json.dumps(record).encode())
 
 
 def read_metrics(bucket):
     """Every step's record, oldest step first ([] when there is none; one torn on a mount is
     skipped).
     One read per step (on S3 one GET each): for a report, not for a loop."""
-    b, records = _open(bucket), []
+    b, records = as_bucket(bucket), []
     steps = sorted((int(m.group(1)), k) for k in b.list("metrics/") if (m := METRICS_KEY.match(k)))
     for _, key in steps:
         with contextlib.suppress(ValueError, TypeError):
@@ -139,11 +135,11 @@ def open_bucket(url, retry_s=0.0):
     return b
 
 
-def _open(bucket):
+def as_bucket(bucket):
     return open_bucket(bucket) if isinstance(bucket, (str, os.PathLike)) else bucket
 
 
-def _safe_name(where, name):
+def safe_name(where, name):
     """name when each '/'-part is a plain file name (a NUL, .. or /etc/passwd is not); else
     BucketError."""
     if isinstance(name, str) and all(SAFE_NAME.fullmatch(part) for part in name.split("/")):
@@ -395,75 +391,57 @@ class S3Bucket(Bucket):
             Bucket=self.name, Key=self._key(key)))
 
 
-# ---- the command line: python sync.py ls|pull|push|metrics
+# ---- the verified fetch: a version (or a resume state) only once every file matches its
+# manifest, waiting out a mount's lag
 
-def listing(bucket):
-    """The table `python sync.py ls` prints."""
-    import sync
-
-    b = _open(bucket)
-    latest, now = sync.latest_version(b), time.time()
-    lines = [f"{b.url}: LATEST = {'none' if latest is None else f'v{latest:06d}'}",
-             f"{'version':<9} {'files':>5} {'size':>10} {'age':>8} {'step':>6}"]
-    for v in sync.versions(b):
-        raw, mark = b.read(f"adapters/v{v:06d}/{MANIFEST}"), " <- LATEST" if v == latest else ""
-        try:  # json.loads(None): no manifest yet
-            m = json.loads(raw)
-            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
-            age = now - m.get("created", now)
-            lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {age:>7.0f}s "
-                         f"{str(m.get('step', '-')):>6}{mark}")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            lines.append(f"v{v:06d}   (incomplete: no readable manifest.json){mark}")
-    steps = [k for k in b.list("metrics/") if METRICS_KEY.match(k)]
-    lines.append(f"trainer state: {_state_id(b) or 'none'}; metrics records: {len(steps)}")
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    """python sync.py ls|pull|push|metrics BUCKET ..."""
-    import sync
-
-    p = argparse.ArgumentParser(description="Inspect and move LoRA adapters in a run's bucket.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("ls", help="list adapter versions with sizes, ages and LATEST")
-    pull = sub.add_parser("pull", help="download and verify one adapter version")
-    push = sub.add_parser("push", help="publish a PEFT adapter folder as a new version")
-    metrics = sub.add_parser("metrics",
-                             help="print the trainer's step records as JSON lines, oldest first")
-    for cmd in (ls, pull, push, metrics):
-        cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
-    pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")
-    pull.add_argument("--version", type=int, default=None, help="version to pull (default: LATEST)")
-    pull.add_argument("--timeout", type=float, default=60.0,
-                      help="seconds to keep retrying while the files do not match the manifest")
-    push.add_argument("dir", help="folder with adapter_config.json and adapter_model.safetensors")
-    push.add_argument("--version", type=int, required=True,
-                      help="version number, newer than LATEST")
-    push.add_argument("--keep", type=int, default=6,
-                      help="newest versions kept; older ones are deleted")
-    args = p.parse_args(argv)
-    try:
-        if args.cmd == "ls":
-            print(listing(args.bucket))
-        elif args.cmd == "metrics":
-            for record in read_metrics(args.bucket):
-                print(json.dumps(record))
-        elif args.cmd == "pull":
-            b = open_bucket(args.bucket)
-            version = sync.latest_version(b) if args.version is None else args.version
-            if version is None:
-                raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one "
-                                  "first (python sync.py push BUCKET DIR --version 0)")
-            print(sync.pull_adapter(b, version, args.dest, timeout=args.timeout))
-        else:
-            m = sync.publish_adapter(args.bucket, args.dir, args.version, keep=args.keep)
-            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
-            print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to "
-                  f"{args.bucket}")
-    except BucketError as e:
-        sys.exit(f"sync.py: error: {e}")
+def fetch_verified(b, prefix, timeout, what):
+    """try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed.
+    CorruptAdapter when the last look found other bytes than the manifest's, else BucketError."""
+    deadline, delay = time.monotonic() + timeout, 0.05
+    files, problem, corrupt = try_fetch(b, prefix)
+    # the backoff of Bucket._retrying: a mount catching up shows the files within seconds
+    while files is None and (left := deadline - time.monotonic()) > 0:
+        if delay == 0.05:  # one line per wait, on the role's stderr
+            print(f"sync.py: {b.url}: waiting for {what}: {problem}", file=sys.stderr, flush=True)
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 2.0)
+        files, problem, corrupt = try_fetch(b, prefix)
+    if corrupt:
+        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; its writer (or someone with "
+                             "write access to the bucket) changed it after its manifest: the next "
+                             "version replaces it")
+    if files is None:
+        raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {problem}; check "
+                          f"that the writer finished (python sync.py ls {b.url}) and was not "
+                          "pruned, or raise the timeout")
+    return files
 
 
-if __name__ == "__main__":
-    main()
+def try_fetch(b, prefix):
+    """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
+    manifest, None, False) when all match, else (None, what is wrong, e.g. "KEY is missing",
+    corrupt: True when a file has as many bytes as listed or more, yet other ones: no lag does
+    it)."""
+    raw = b.read(prefix + MANIFEST)
+    try:  # json.loads(None) is a TypeError: a missing manifest lands here too
+        entries = {n: {"sha256": e["sha256"], "bytes": e["bytes"]}
+                   for n, e in json.loads(raw)["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
+        why = "is missing" if raw is None else "is not a complete manifest"
+        return None, f"{prefix}{MANIFEST} {why}", False
+    files = {MANIFEST: raw}
+    for name, entry in sorted(entries.items()):
+        data = files[name] = b.read(prefix + safe_name(f"{b.url}: {prefix}{MANIFEST}", name))
+        if data is None:
+            return None, f"{prefix}{name} is missing", False
+        if manifest_entry(data) != entry:
+            # fewer bytes than listed: a mount still filling it in; as many or more: changed
+            corrupt = not isinstance(entry["bytes"], int) or len(data) >= entry["bytes"]
+            return None, (f"{prefix}{name} has {len(data)} bytes not matching the manifest "
+                          f"({entry['bytes']} bytes, sha256)"), corrupt
+    return files, None, False
+
+
+def verified_local(folder):
+    """True when a local folder holds a manifest.json and every file it lists, bytes matching."""
+    return try_fetch(DirBucket(folder), "")[0] is not None

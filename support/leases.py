@@ -22,7 +22,7 @@ does not import proxy.py, so proxy.py imports it at the top (and re-exports PROB
 import math
 import time
 
-from proxy_http import RETRY_AFTER_S, ApiError
+from support.http_hardening import RETRY_AFTER_S, ApiError
 
 # a measured replica's lease counts as coming for LEASE_SLACK x the time its own pace says, at
 # least LEASE_FLOOR_S: a dead replica's groups go to the others half a lease after they were due

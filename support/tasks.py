@@ -108,9 +108,9 @@ class MathScorer:
 
     def start(self):
         """A plain `python -c` child (multiprocessing's spawn would re-run the caller's script)."""
-        here = os.path.dirname(os.path.abspath(__file__))
-        code = (f"import sys; sys.path.insert(0, {here!r}); "
-                "import tasks; tasks.math_verify_loop()")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+        code = (f"import sys; sys.path.insert(0, {root!r}); "
+                "from support.tasks import math_verify_loop; math_verify_loop()")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         if self.read(120.0) != "ready":
@@ -225,3 +225,13 @@ def shard_order(n_items, seed, replica_id, num_replicas):
     while True:
         rng.shuffle(mine)
         yield from mine
+
+
+def chat_prompt(tokenizer, question):
+    """The chat-templated prompt text and its token ids (what the engine is fed)."""
+    if not tokenizer.chat_template:  # a base model: the question as is
+        text = question
+    else:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]

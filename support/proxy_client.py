@@ -13,7 +13,7 @@ import re
 import sys
 import time
 
-from proxy import OLD_NAMES
+from support.contract import OLD_NAMES
 
 # the proxy's credentials; Authorization belongs to a gateway (HF Jobs)
 TOKEN_HEADER = "X-Proxy-Token"

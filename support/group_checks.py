@@ -1,0 +1,90 @@
+"""What the trainer checks in the groups a replica sent before they reach the step: a hostile
+replica's group must not crash, steer or poison the learner (group_problem, usable); and how long
+it waits for them (Waiting).
+
+This module imports no role file.
+"""
+
+import math
+import sys
+import time
+
+from support.trainer_state import TrainerError
+
+
+class Waiting:
+    """gather_groups' patience: a line every minute saying what the proxy sees, and a
+    TrainerError once wait_timeout seconds (0: never) passed without the groups."""
+
+    def __init__(self, client, wait_timeout, bucket_url):
+        self.client, self.wait_timeout, self.bucket_url = client, wait_timeout, bucket_url
+        self.start = self.last_log = time.time()
+
+    def check(self, have, n):
+        waited, timeout = time.time() - self.start, self.wait_timeout
+        if (timeout and waited > timeout) or time.time() - self.last_log > 60:
+            s = self.client.stats()  # the proxy sees the whole run: say what it sees
+            why = (f"the proxy has {s['buffered']} groups buffered, leases {s['leased']}, dropped "
+                   f"{s['dropped_stale']} as stale and {s['dropped_zero_variance']} with equal "
+                   "rewards; replicas that load no new adapter ('adapter vN loaded' in their logs) "
+                   f"are not reading --bucket {self.bucket_url}")
+            if timeout and waited > timeout:
+                raise TrainerError(f"no groups for {waited:.0f}s (have {have}/{n}): {why}; "
+                                   "raise --wait-timeout for slow starts")
+            print(f"waiting for groups: {have}/{n} after {waited:.0f}s; {why}")
+            self.last_log = time.time()
+
+
+def usable(g, vocab_size, dropped=None, **limits):
+    """True when the trainer can use group g (group_problem); else the group is named on stderr,
+    counted in `dropped` (why -> count), and False."""
+    if not (problem := group_problem(g, vocab_size, **limits)):
+        return True
+    if dropped is not None:
+        dropped[problem[0]] = dropped.get(problem[0], 0) + 1
+    gid, worker = (printable(g.get(k) if isinstance(g, dict) else "?")
+                   for k in ("group_id", "worker"))
+    print(f"dropped group {gid} from {worker}: {problem[1]}", file=sys.stderr)
+    return False
+
+
+def group_problem(g, vocab_size, num_generations=None, context=None, reward_range=None):
+    """(kind, why) when the trainer cannot use group g (the proxy's JSON), else None. The proxy
+    checks groups too; this holds on its own: one bad group must not crash or poison a step."""
+    def ids_ok(ids):
+        return type(ids) is list and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+
+    def number(x, lo=-math.inf, hi=math.inf):  # NaN fails
+        return type(x) in (int, float) and lo <= x <= hi and math.isfinite(x)
+
+    lo, hi = reward_range or (-math.inf, math.inf)
+    try:
+        comps, prompt = g["completions"], g["prompt_ids"]
+        if num_generations is not None and len(comps) != num_generations:
+            return "num_completions", f"{len(comps)} completions, not {num_generations}"
+        if not prompt:
+            return "empty_prompt", "no prompt tokens (prompt_ids: [])"
+        for j, c in enumerate(comps):
+            ids, lps = c["ids"], c["logprobs"]
+            if not ids:
+                return "empty_completion", f"completion {j} has no tokens (ids: [])"
+            if not (ids_ok(prompt) and ids_ok(ids)):
+                return "token_id", f"a token id >= the vocabulary size {vocab_size} (or < 0)"
+            if len(lps) != len(ids) or not all(map(number, lps)):
+                return "logprobs", (f"completion {j}: {len(lps)} log-probs for {len(ids)} ids, "
+                                    "or NaN")
+            if not number(c["reward"], lo, hi):
+                r = str(c["reward"])[:30]
+                return "reward", f"completion {j}: reward {r} not in [{lo:g}, {hi:g}]"
+        longest = len(prompt) + max(len(c["ids"]) for c in comps)
+        if context is not None and longest > context:
+            return "too_long", f"{longest} tokens of prompt + completion > the context {context}"
+        int(g["policy_version"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "malformed", "not a group in the proxy's JSON form"
+    return None
+
+
+def printable(v, n=64):
+    """A peer's string for a log line: at most n characters, no control character (no fake line)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in str(v)[:n])

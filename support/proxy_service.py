@@ -1,0 +1,201 @@
+"""What the proxy needs as a service on the internet around the run's state (proxy.py's
+RolloutBuffer). Not needed to follow a GRPO step (that is proxy.py, top to bottom).
+
+    credentials  the trainer's token, the replicas' secret R, a replica's name bound to R
+    HTTP         the routes (ProxyHandler: each POST checked by support/contract.py's
+                 validate_rollouts before anything changes), the server (ProxyServer); the stdlib
+                 hardening underneath: support/http_hardening.py
+    settings     serve()'s defaults from the contract (settle, body_limit)
+
+Fields and status codes: docs/protocol.md; hostile peers: docs/hostile-peers.md.
+
+    python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q; python bench/bench_proxy.py
+"""
+
+import hashlib
+import hmac
+import logging
+import time
+
+# the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
+from support import http_hardening
+from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, NAME, OLD_NAMES, ConfigError,
+                              check_fields, validate_rollouts)
+from support.http_hardening import ApiError, check, parse_query, query_int, query_seconds
+from support.proxy_client import TOKEN_HEADER
+
+log = logging.getLogger("proxy")
+
+ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET",
+          "/healthz": "GET", "/batch": "GET", "/version": "POST", "/done": "POST"}
+# what the replicas' token opens
+REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}
+
+
+# ---- credentials: the trainer's token, the replicas' secret R, a replica's name bound to R
+
+def replica_token(secret, worker):
+    """A replica's credential bound to its worker name: `worker:mac`, mac =
+    HMAC-SHA256_R(worker)[:32]."""
+    mac = hmac.new(secret.encode(), worker.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{worker}:{mac}"
+
+
+def replica_worker(secret, got):
+    """What the credential `got` (bytes) opens under the replicas' secret: "" for R itself (any
+    worker name), the bound worker name for replica_token(R, name), None for anything else."""
+    if not secret:
+        return None
+    if hmac.compare_digest(got, secret.encode()):
+        return ""
+    worker = got.rpartition(b":")[0].decode("latin-1")
+    want = replica_token(secret, worker).encode("latin-1", "replace")
+    ok = NAME[0](worker) and hmac.compare_digest(got, want)
+    return worker if ok else None
+
+
+# ---- HTTP: the routes (the hardening a service on the internet needs: proxy_http.py)
+
+class ProxyHandler(http_hardening.Handler):
+    buffer, token, rollout_token = None, None, None  # serve() binds one server's own
+
+    def _serve(self):
+        method, (path, _, query) = self.command, self.path.partition("?")
+        # a kept-alive connection to a closed server: hang up, the client reconnects
+        if self.buffer.closed:
+            self.close_connection = True
+            return
+        code, headers = 200, {}
+        try:
+            self._admit(method, path)
+            payload = self._route(path, query)
+        except ApiError as e:
+            code, payload, headers = e.code, {"error": str(e), **e.payload}, e.headers
+            self.close_connection |= code in (401, 503)  # no second try on the same connection
+        except Exception:
+            log.exception("proxy: internal error on %s %s", method, path[:80])
+            code, payload = 500, {"error": "internal error (see the proxy's log)"}
+        try:
+            self.reply(code, payload, headers)
+        except OSError:  # the client went away: the groups it did not get go back to the buffer
+            self.close_connection = True
+            if path == "/batch" and code == 200:
+                self.buffer.give_back(payload["groups"], payload["trainer_version"],
+                                      payload.get("delivery"))
+
+    do_GET = do_POST = _serve  # every other method gets send_error(501), answered as a 405
+
+    def _admit(self, method, path):
+        """404, 405, then the token: the trainer's opens every path, the replicas' (if any)
+        REPLICA_PATHS only."""
+        if path not in ROUTES:
+            raise ApiError(f"no endpoint {path[:80]!r}: proxy.py serves " +
+                           ", ".join(f"{m} {p}" for p, m in ROUTES.items()), 404)
+        if method != ROUTES[path]:
+            raise ApiError(f"{method} {path} is not allowed", 405, {"Allow": ROUTES[path]})
+        if path == "/healthz":
+            return
+        # compared in constant time
+        got = self.headers.get(TOKEN_HEADER, "").encode("latin-1", "replace")
+        trainer = not self.token or hmac.compare_digest(got, self.token.encode())
+        # a replica's: "" when unbound, else its worker name
+        self.bound = None if trainer else replica_worker(self.rollout_token, got)
+        if not trainer and self.bound is None:
+            raise ApiError(f"missing or wrong token: send '{TOKEN_HEADER}: <token>' (the trainer's "
+                           "PROXY_TOKEN, or the replicas' ROLLOUT_TOKEN); Authorization is left to "
+                           "a gateway", 401,
+                           {"WWW-Authenticate": f'ProxyToken header="{TOKEN_HEADER}"'})
+        # 503 when the replicas hold their share of connections
+        self.server.authenticated(self.connection, "trainer" if trainer else "replica")
+        if self.bound is not None and path not in REPLICA_PATHS:
+            raise ApiError(f"{path} takes the trainer's token (PROXY_TOKEN); this is the replicas' "
+                           "(--rollout-token, ROLLOUT_TOKEN): only the trainer drains /batch, sets "
+                           "the version and ends the run", 403)
+        # --linger counts quiet seconds from the last request of the run
+        self.buffer.last_request = time.monotonic()
+
+    def _check_worker(self, worker, where):
+        """A bound credential speaks for its own worker name only."""
+        if self.bound and worker != self.bound:
+            raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker "
+                           f"{self.bound!r} (proxy.py --print-replica-token NAME makes one per "
+                           "replica)", 403)
+
+    def _route(self, path, query):
+        b = self.buffer
+        if path == "/rollouts":
+            groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
+            for i, g in enumerate(groups):
+                self._check_worker(g["worker"], f"groups[{i}].worker")
+            # a replica's credential: its groups count against its lease
+            return b.add(groups, limited=self.bound is not None)
+        if path == "/batch":
+            q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
+            ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
+            n = query_int(q, "groups", 1, b.max_groups)
+            groups, version, delivery = b.take(n, query_seconds(q), self.peer_gone, ack)
+            answer = {"groups": groups, "trainer_version": version}
+            # a delivery number: the client acknowledges it with its next call
+            return answer if delivery is None else {**answer, "delivery": delivery}
+        if path == "/quota":
+            spec = {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"}
+            q = parse_query(query, spec)
+            check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
+            self._check_worker(q["worker"], "worker")
+            version = query_int(q, "version", 0, MAX_INT - 1)
+            most = query_int(q, "max", 1, MAX_INT - 1)
+            return b.quota(q["worker"], version, most, query_seconds(q))
+        if path in ("/version", "/done"):
+            body = self.read_json()
+            check_fields(body, "body", {"version": INDEX} if path == "/version" else {})
+            return b.set_version(body["version"]) if path == "/version" else b.finish()
+        return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
+
+
+class ProxyServer(http_hardening.Server):
+    """http_hardening.Server with the run's buffer: closing it wakes the long polls; a log line a
+    minute."""
+
+    def __init__(self, address, handler, max_connections=256, log_every=60.0):
+        self.buffer = handler.buffer
+        self.log_every, self._last_log = log_every, time.monotonic()
+        self._logged = self.buffer.stats()
+        super().__init__(address, handler, max_connections)
+
+    def count(self, key):
+        self.buffer.count(key)
+
+    def server_close(self):
+        super().server_close()
+        # wakes the long polls; a kept-alive connection hangs up at its next request
+        self.buffer.close()
+
+    def service_actions(self):
+        """serve_forever calls this every 0.2 s: a line per log_every, none when idle."""
+        if time.monotonic() - self._last_log >= self.log_every:
+            self._last_log, s, old = time.monotonic(), self.buffer.stats(), self._logged
+            if moved := {k: s[k] - old[k] for k in self.buffer.counts if s[k] != old[k]}:
+                changes = ", ".join(f"{k} +{v}" for k, v in moved.items())
+                log.info("proxy: %s; buffer %d groups (%.1f MB), trainer v%s", changes,
+                         s["buffered"], s["buffered_mb"], s["trainer_version"])
+                self._logged = s
+
+
+def body_limit(c):
+    """The default --max-body-mb, in bytes: one POST of groups_per_step groups at full length, at
+    ~64 bytes of JSON a sampled token (a real POST weighs ~33: docs/hostile-peers.md) and 32 a
+    prompt token; 2.5 MiB at the default contract, never under 1 MiB."""
+    per_group = c["num_generations"] * c["max_completion_length"] * 64 + c["max_prompt_length"] * 32
+    return max(2**20, c["groups_per_step"] * per_group)
+
+
+def settle(contract):
+    """A serve() call's settings, with a setting's old name (OLD_NAMES: max_new_tokens) set to the
+    new one's value; given under both names, they must agree."""
+    c = dict(contract)
+    for old, new in OLD_NAMES.items():
+        if old in c and new in c and c[old] != c[new]:
+            raise ConfigError(f"--{new.replace('_', '-')} {c[new]} and its old name "
+                              f"--{old.replace('_', '-')} {c[old]} disagree: give one")
+        c[new] = c[old] = c.get(new, c.get(old, CONTRACT[new]))
+    return c

@@ -1,0 +1,224 @@
+"""The trainer's model, its optimizer and its resume state: what trainer.py needs around the
+GRPO step, not to follow it.
+
+    build_model, make_optimizer  the base model + a fresh LoRA; AdamW (departure 5)
+    start_run    everything before the first step: the resume state in the bucket (checked; with
+                 env TRAINER_STATE_KEY, authenticated), the model and AdamW restored from it, the
+                 first version (starting_version), --report-to
+    write_state  the resume state trainer.publish saves beside the adapter (state.pt, its HMAC)
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q
+
+This module imports no role file.
+"""
+
+import hashlib
+import hmac
+import os
+import pickle
+import random
+import re
+import tempfile
+from types import SimpleNamespace
+
+import torch
+
+from support.buckets import load_trainer_state
+
+
+class TrainerError(Exception):
+    """A misconfiguration or a run that cannot go on; the message says what to do."""
+
+
+# ---- the model and its optimizer
+
+def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0):
+    """Base model + fresh LoRA (B = 0, so version 0 is the base policy). bf16 on GPU, fp32 on
+    CPU."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    gpu = torch.cuda.is_available()
+    dtype, device = (torch.bfloat16, "cuda") if gpu else (torch.float32, "cpu")
+    base = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
+    base.config.use_cache = False
+    targets = lora_target if lora_target == "all-linear" \
+        else [t.strip() for t in lora_target.split(",")]
+    lora = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=targets,
+                      task_type="CAUSAL_LM")
+    torch.manual_seed(seed)
+    return get_peft_model(base, lora)  # adapter weights are kept in fp32 (autocast_adapter_dtype)
+
+
+def lora_parameters(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(params, args):
+    """AdamW, no weight decay (departure 5); a resume state must match it (state_problem)."""
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
+
+
+# ---- the start of a run: the resume state, the model, the first version
+
+def start_run(args, bucket, contract, latest, seen):
+    """Everything before the first step. Loads the resume state in the bucket (checked; with env
+    TRAINER_STATE_KEY, authenticated), builds the model and AdamW and restores them from it, picks
+    the first version (starting_version: latest is the bucket's LATEST, seen the versions it holds
+    files of), starts --report-to. Prints the run's first lines.
+    Returns a namespace: bucket, model, optimizer, step, version, must_publish, groups_consumed,
+    key, limits (what group_problem checks a group against), reporter."""
+    tmp, key = tempfile.TemporaryDirectory(), os.environ.get("TRAINER_STATE_KEY") or None
+    state_dir = load_trainer_state(bucket, tmp.name)
+    state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
+    probe = make_optimizer([torch.zeros(1)], args)  # this trainer's AdamW settings
+    if state is not None and (why := state_problem(state, probe)):
+        raise TrainerError(f"{bucket.url}/trainer: the resume state does not fit this trainer "
+                           f"({why}): not written by trainer.py? remove {bucket.url}/trainer to "
+                           "start fresh (and set TRAINER_STATE_KEY: an HMAC then shows who wrote "
+                           "it)")
+    where = f"{bucket.url}/trainer"
+    print(f"resumed from step {state['step']}, version {state['version']} (state in {where})"
+          if state else f"starting fresh: no trainer state in {bucket.url}")
+    print(f"run settings from the proxy: {contract}")
+    version, must_publish = starting_version(state, latest, seen)
+    if latest is not None and not state:
+        print(f"note: {bucket.url} already holds adapters up to v{latest}; this run starts at "
+              f"v{version}")
+    # --report-to: the trackio or wandb module (both have init/log/finish)
+    reporter, kind = None, args.report_to
+    if kind != "none":
+        try:
+            reporter = __import__(kind)
+        except ImportError:
+            raise TrainerError(f"--report-to {kind} needs the {kind} package: pip install {kind} "
+                               "(or --report-to none)")
+        reporter.init(project="async-grpo-lora", config=vars(args))
+    random.seed(args.seed)
+    model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed)
+    model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
+    limits = {"num_generations": args.num_generations,
+              "reward_range": contract.get("reward_range"),
+              "context": getattr(model.config, "max_position_embeddings", None)}
+    optimizer = make_optimizer(lora_parameters(model), args)
+    step, groups_consumed = (state["step"], state["groups_consumed"]) if state else (0, 0)
+    if state:
+        try:
+            restore_state(model, optimizer, state_dir, state)
+        # e.g. a size mismatch: the state belongs to another model
+        except (RuntimeError, ValueError) as e:
+            saved, why = state.get("args", {}), str(e).strip().splitlines()[0][:160]
+            raise TrainerError(f"the state in {bucket.url}/trainer (--model {saved.get('model')}, "
+                               f"--lora-r {saved.get('lora_r')}) does not fit --model {args.model} "
+                               f"--lora-r {args.lora_r} ({why}): run with that run's settings, or "
+                               "another --bucket") from None
+    tmp.cleanup()
+    return SimpleNamespace(bucket=bucket, model=model, optimizer=optimizer, step=step,
+                           version=version, must_publish=must_publish,
+                           groups_consumed=groups_consumed, key=key, limits=limits,
+                           reporter=reporter)
+
+
+def restore_state(model, optimizer, state_dir, state):
+    """Load the LoRA weights, optimizer and RNGs that publish saved (state_dir:
+    load_trainer_state's)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(state_dir, "adapter_model.safetensors"))
+    set_peft_model_state_dict(model, weights)
+    optimizer.load_state_dict(state["optimizer"])
+    random.setstate(state["rng_python"])
+    torch.set_rng_state(state["rng_torch"])
+    if state.get("rng_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
+def write_state(folder, state, optimizer, key=None):
+    """The resume state into folder (beside the adapter's files): state.pt with the optimizer and
+    the RNGs, and with a key (env TRAINER_STATE_KEY) its HMAC tag."""
+    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    full = dict(state, optimizer=optimizer.state_dict(), rng_python=random.getstate(),
+                rng_torch=torch.get_rng_state(), rng_cuda=rng_cuda)
+    torch.save(full, os.path.join(folder, "state.pt"))
+    if key:
+        with open(os.path.join(folder, STATE_TAG), "w") as f:
+            f.write(state_tag(key, folder))
+
+
+def starting_version(state, latest, seen=()):
+    """(version, publish?) for a trainer starting with resume state `state` (or None) on a bucket
+    whose LATEST is `latest` (or None), holding files of versions `seen` (complete or torn by a kill
+    mid-publish). A number the bucket has seen is never published again; LATEST is reused only if
+    it holds exactly the saved weights."""
+    if state and state["published_step"] == state["step"] \
+            and latest == state["version"] >= max(seen, default=-1):
+        return state["version"], False
+    known = [v for v in (latest, state["version"] if state else None, *seen) if v is not None]
+    return (1 + max(known) if known else 0), True
+
+
+# ---- the resume state: what a bucket writer can plant is checked before it is loaded
+
+STATE_TAG = "state.hmac"  # next to state.pt: the state's HMAC under env TRAINER_STATE_KEY
+FREE_OPTIMIZER_KEYS = {"params", "lr", "initial_lr", "foreach", "fused", "capturable",
+                       "differentiable"}  # AdamW settings a resume state may set as it likes
+
+
+def state_tag(key, folder):
+    """HMAC-SHA256 (hex) under key of every file in folder but the tag: names and sha256s,
+    sorted."""
+    mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
+    for name in sorted(os.listdir(folder)):
+        if name != STATE_TAG and os.path.isfile(path := os.path.join(folder, name)):
+            with open(path, "rb") as f:
+                mac.update(f"{name}\0{hashlib.sha256(f.read()).hexdigest()}\n".encode())
+    return mac.hexdigest()
+
+
+def load_state(state_dir, key, where):
+    """The resume state load_trainer_state put in state_dir (None: there is none). With a key, it is
+    refused unless its HMAC tag matches; it never unpickles code (weights_only). TrainerError."""
+    if state_dir is None:
+        return None
+    fresh = f"remove {where}/trainer to start fresh"
+    if key:
+        tag_path = os.path.join(state_dir, STATE_TAG)
+        tag = open(tag_path, "rb").read().strip() if os.path.exists(tag_path) else None
+        if tag is None or not hmac.compare_digest(tag, state_tag(key, state_dir).encode()):
+            which = "no" if tag is None else "a wrong"
+            raise TrainerError(f"{where}/trainer: the resume state has {which} HMAC tag under "
+                               "TRAINER_STATE_KEY: this run's trainer did not write it (or used "
+                               f"another key); set the key that run used, or {fresh}")
+    try:  # weights_only: a state.pt planted in the bucket cannot run code here
+        return torch.load(os.path.join(state_dir, "state.pt"), weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False: not repeated
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        why = f"it calls {found.group(1)}" if found else "not a plain pickle"
+        raise TrainerError(f"{where}/trainer/state.pt holds more than tensors and plain values "
+                           "(written by something else than trainer.py?): weights only load failed "
+                           f"({why}); {fresh}") from None
+
+
+def state_problem(state, optimizer):
+    """Why a resume state does not fit this trainer (counters, its own AdamW settings, finite
+    moments with |exp_avg| <= 10 sqrt(exp_avg_sq), as Adam's own updates keep them), or None."""
+    try:
+        if not all(type(state[k]) is int and state[k] >= 0
+                   for k in ("step", "version", "published_step", "groups_consumed")):
+            return "step, version, published_step or groups_consumed is not an int >= 0"
+        saved = state["optimizer"]["param_groups"]
+        if len(saved) != len(optimizer.param_groups):
+            return f"{len(saved)} optimizer parameter groups, not {len(optimizer.param_groups)}"
+        for theirs, ours in zip(saved, optimizer.param_groups):
+            for k in set(ours) - FREE_OPTIMIZER_KEYS:
+                if theirs.get(k, ours[k]) != ours[k]:
+                    return f"AdamW {k}={str(theirs[k])[:40]}, not this trainer's {ours[k]}"
+        for moments in state["optimizer"]["state"].values():
+            m, v = moments["exp_avg"].float(), moments["exp_avg_sq"].float()
+            if not (torch.isfinite(m).all() and torch.isfinite(v).all() and (v >= 0).all()
+                    and (m.abs() <= 10 * v.sqrt() + 1e-12).all()):
+                return "AdamW moments that are not finite, or exp_avg beyond 10 sqrt(exp_avg_sq)"
+    except (KeyError, TypeError, AttributeError, RuntimeError):
+        return "not the dict trainer.py saves"
+    return None
