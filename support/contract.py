@@ -162,3 +162,20 @@ def validate_rollouts(payload, max_groups, contract):
         validate_group(g, contract, f"groups[{i}]")
     return groups
 
+
+def check_contract(c):
+    """Raise ConfigError naming the first setting of the contract c that cannot work; makes
+    c["reward_range"] a [lo, hi] list of floats."""
+    lo, hi = c["reward_range"] = [float(x) for x in c["reward_range"]]
+    works = {"num_generations": c["num_generations"] >= 2,
+             "groups_per_step": c["groups_per_step"] >= 1,
+             "max_staleness": c["max_staleness"] >= 0, "temperature": c["temperature"] > 0,
+             "max_completion_length": c["max_completion_length"] >= 1,
+             "zero_variance": c["zero_variance"] in ("keep", "drop"),
+             "max_prompt_length": c["max_prompt_length"] >= 1,
+             "reward_range": -MAX_ABS < lo < hi < MAX_ABS}
+    for key in (k for k, ok in works.items() if not ok):
+        raise ConfigError(f"--{key.replace('_', '-')} {c[key]!r} cannot work: need "
+                          "num-generations >= 2, groups-per-step >= 1, max-staleness >= 0, "
+                          "temperature > 0, max-new-tokens >= 1, zero-variance keep or drop, "
+                          "max-prompt-length >= 1, reward-range LO < HI")

@@ -14,8 +14,8 @@ Decisions:
    top_p=1.0 (vLLM: logprobs_mode="processed_logprobs"; hf: log_softmax(logits / T)).
 2. A completion ends at and includes its first EOS ("stop"), else it ran out of tokens ("length").
 3. The hf engine samples with its own loop over the model's layers (HFEngine._decode, and
-   FastDecoder in fast_decode.py): the model's own modules and weights (q/k/v and gate/up laid
-   back to back at load, join_projections, so that each group is one matmul), every distinct
+   FastDecoder in support/fast_decode.py): the model's own modules and weights (q/k/v and gate/up
+   laid back to back at load, join_projections, so that each group is one matmul), every distinct
    prompt token once in one pass, a preallocated KV cache, LoRA as x @ A @ B. It computes what
    transformers' generate computes (HFEngine._generate_plain, kept as the fallback for other
    architectures and as the reference the tests and bench/bench_generate.py compare with), and
@@ -36,7 +36,7 @@ import json
 import os
 from collections import namedtuple
 
-# the decode loop, layer by layer: fast_decode.py (not needed to follow what an engine does)
+# the decode loop, layer by layer: support/fast_decode.py (not needed to follow what an engine does)
 from support.fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs, fast_decode_support,
                          join_projections)
 

@@ -14,7 +14,7 @@ then x + mlp(norm(x))), in fewer torch calls:
 - Packs: on a CPU in fp32 with MKL, the base weights packed once for the steps' row count.
 fast_decode_support says when a model or adapter is outside what it covers (engines.HFEngine then
 samples with transformers' generate). docs/generation.md has the measurements. torch is imported
-inside functions, as in engines.py.
+inside functions, as in support/engines.py.
 """
 
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # decoders HFEngine._decode runs

@@ -1,4 +1,4 @@
-"""proxy_http.py — the stdlib HTTP hardening under proxy.py, kept out of its reading path.
+"""The stdlib HTTP hardening under proxy.py, kept out of its reading path.
 
 What a service on the internet needs and the GRPO run does not explain: JSON and query parsing that
 names the bad field, one deadline per request however it is trickled, bodies bounded from the header

@@ -1,20 +1,20 @@
-"""proxy_leases.py — RolloutBuffer's support (proxy.py): how many groups a lease holds, and the
-checks add() makes on a POST. Not needed to follow a GRPO step: RolloutBuffer.quota asks _quota
-for the number, and RolloutBuffer.add names each check in a comment beside its call. The rules in
-words: docs/protocol.md (the quota, shares by speed, leases that expire).
+"""RolloutBuffer's mixins (proxy.py): how many groups a lease holds, the checks add() makes on a
+POST, and the buffer's counters. Not needed to follow a GRPO step: RolloutBuffer._quota names
+each piece of the arithmetic it calls, and RolloutBuffer.add each check in a comment beside its
+call. The rules in words: docs/protocol.md (the quota, shares by speed, leases that expire).
 
-    LeaseSizing  quota()'s arithmetic: the step's need (_quota), how far ahead (_ahead), the
-                 shares by measured pace (_shares), which leases count as coming (_coming,
-                 _slower, _overtaken), when a lease expires (_expiry), a replica's pace from its
-                 deliveries (_delivered)
-    AddChecks    add()'s checks, in the order add() calls them: the size (_fits), a version ahead
-                 of the trainer (_not_ahead), retries and groups beyond a lease (_new,
-                 _within_leases), drop mode (_varied), room (_room), the bookkeeping (_remember)
+    LeaseSizing    the arithmetic under RolloutBuffer._quota: how far ahead (_ahead), a lease's
+                   size (_lease_size: the shares by measured pace, _shares), which leases count
+                   as coming (_coming, _slower, _overtaken), what arrives in time (_in_time), when
+                   a lease expires (_expiry), a replica's pace from its deliveries (_delivered)
+    AddChecks      add()'s checks, in the order add() calls them: the size (_fits), a version
+                   ahead of the trainer (_not_ahead), retries and groups beyond a lease (_new,
+                   _within_leases), drop mode (_varied), room (_room), the bookkeeping (_remember)
+    BufferRecords  the bounded lease table, the counters, redelivery of unread batches, /stats
 
-Both are mixins of RolloutBuffer (`class RolloutBuffer(LeaseSizing, AddChecks)`), never used
-alone: they read and write its state (contract, leases, pace, groups, counts, ...) under its lock
-(all but _fits, which reads max_bytes only) and call its methods (_usable, _count). This module
-does not import proxy.py, so proxy.py imports it at the top (and re-exports PROBE, SLOWER, ...).
+They are mixins of RolloutBuffer, never used alone: they read and write its state (contract,
+leases, pace, groups, counts, ...) under its lock (all but _fits, which reads max_bytes only) and
+call its methods (_usable, _deliver, _drop_stale). This module imports no role file.
 
     python -m pytest tests/test_proxy.py -q
 """
@@ -23,6 +23,10 @@ import math
 import time
 
 from support.http_hardening import RETRY_AFTER_S, ApiError
+
+MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
+# counted in total and per worker
+WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
 
 # a measured replica's lease counts as coming for LEASE_SLACK x the time its own pace says, at
 # least LEASE_FLOOR_S: a dead replica's groups go to the others half a lease after they were due
@@ -43,43 +47,18 @@ def group_bytes(g):
 
 
 class LeaseSizing:
-    """RolloutBuffer's lease sizing: how many groups /quota leases a replica. RolloutBuffer.quota
-    calls _quota (with _ahead), _probe_gap and _expiry; stats() calls _shares; add() calls
-    _delivered (through _remember)."""
+    """RolloutBuffer's lease sizing: how many groups /quota leases a replica. RolloutBuffer._quota
+    calls _coming, _ahead, _lease_size and _in_time; quota calls _probe_gap and _expiry; stats()
+    calls _shares; add() calls _delivered (through _remember)."""
 
-    def _quota(self, worker, version, most):
-        """(groups, why) for a replica holding adapter `version`: how many groups to make now so
-        that the trainer never waits and no group is older than it must be. The trainer at version
-        t takes B groups per step; groups made now with v are used at trainer versions up to v + S,
-        and are wanted one step ahead (t + 1: the batch the trainer takes when its current step
-        ends; more only for a pool whose leases outlast a trainer step, _ahead). So the proxy asks
-        for the groups of steps t .. min(v + S, t + ahead), less those this step already took,
-        those buffered and those leased to other replicas. Each replica asking gets at most its
-        share of a step (_shares: by its measured speed); a lease counts as coming until _expiry
-        (its own pace). A replica the others do not wait for (_overtaken) gets only
-        the groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its
-        batch at v + S, the last that can use them: a slow replica's work is not dropped as stale,
-        but for a PROBE now and then (_probe_gap), in case it got faster."""
-        c, t, now = self.contract, self.trainer_version, time.monotonic()
+    def _lease_size(self, worker, lack, most, now):
+        """How many of the `lack` groups the trainer still needs this replica is leased: at most
+        `most`, its share of a step (_shares: by its measured speed), one for a new replica among
+        others (nobody waits for it: its measure). In drop mode each is scaled up by the share of
+        groups kept lately, in one lease (one engine batch): Laplace's rule of succession over
+        the recent groups (a prior of one kept, one dropped), so 0 kept of 4 reads 1/6."""
+        c = self.contract
         S, B = c["max_staleness"], c["groups_per_step"]
-        if t is None:
-            return 0, "the trainer has not announced itself yet"
-        if version < t - S:
-            return 0, (f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load "
-                       "a newer adapter")
-        # the other replicas' live leases that will arrive in time: groups already coming
-        others = [lease.n for w, lease in self.leases.items()
-                  if self._coming(worker, w, lease, now)]
-        leased = sum(n for n in others if n > 0)
-        horizon = min(version + S, t + self._ahead(worker, 1 + len(others), now))
-        lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
-        if lack <= 0:
-            return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
-                       f"buffered, {leased} leased to other replicas)")
-        # drop mode: only this share of the groups will be kept, so ask for more, in one lease
-        # (one engine batch: a step's groups at once, not one generate call after another). The
-        # share is Laplace's rule of succession over the recent groups (a prior of one kept, one
-        # dropped): 0 kept of the first 4 reads 1/6, not 0.05 (20 steps' groups)
         kept = 1.0
         if c["zero_variance"] == "drop":
             kept = max(0.05, (sum(self.recent_usable) + 1) / (len(self.recent_usable) + 2))
@@ -87,6 +66,14 @@ class LeaseSizing:
         n = min(most, math.ceil(lack / kept), max(1, math.ceil(round(B * shares[worker]) / kept)))
         if S > 0 and worker not in self.pace and len(shares) > 1:
             n = 1  # a new replica among others: one group to measure it on, nobody waits for it
+        return n
+
+    def _in_time(self, worker, version, n, now):
+        """(n, None), or fewer for a replica the others do not wait for (_overtaken): only the
+        groups it makes, even at LEASE_SLACK x its pace, before the trainer completes its batch at
+        v + S, the last that can use them, so a slow replica's work is not dropped as stale; but
+        for a PROBE now and then (_probe_gap), in case it got faster."""
+        S, t = self.contract["max_staleness"], self.trainer_version
         if self._overtaken(worker, now) and self.step_s and worker in self.pace:
             # the trainer completes its batch at v + S about then (at its pace since set_version)
             left = self.version_at + (version + S - t) * self.step_s + self.fill_s - now
@@ -253,3 +240,89 @@ class AddChecks:
         self.counts["dropped_zero_variance"] += len(flat)
         for g in (g for g in new if g["worker"] in self.leases):
             self._delivered(g["worker"])
+
+
+class Lease:
+    """What /quota gave a replica: n groups still to come (0: asking), counted as coming until
+    `until` (monotonic s), made with adapter `version`; `given` groups at `since`."""
+    __slots__ = ("n", "until", "version", "since", "given")
+
+    def __init__(self, n, until, version, since=0.0, given=0):
+        self.n, self.until, self.version, self.since, self.given = n, until, version, since, given
+
+
+class BufferRecords:
+    """RolloutBuffer's bookkeeping: the bounded table of leases (_bound_leases), the counters per
+    worker (_count, count), a delivery the trainer never read back to the buffer (give_back), the
+    end (close), and what GET /stats shows (state, stats)."""
+
+    def _bound_leases(self, worker):
+        """The leases are bounded: a new name beyond MAX_WORKERS drops the expired ones, or 429."""
+        if worker in self.leases or len(self.leases) < MAX_WORKERS:
+            return
+        now = time.monotonic()
+        self.leases = {w: lease for w, lease in self.leases.items() if lease.until > now}
+        self.pace = {w: p for w, p in self.pace.items() if w in self.leases}
+        self.probe_gap = {w: p for w, p in self.probe_gap.items() if w in self.leases}
+        self.delivered_at = {w: p for w, p in self.delivered_at.items() if w in self.leases}
+        if len(self.leases) >= MAX_WORKERS:
+            raise ApiError(f"worker: {MAX_WORKERS} other names hold leases; retry once one "
+                           "expires (--lease-timeout)", 429, {"Retry-After": str(RETRY_AFTER_S)})
+
+    def _count(self, key, groups, sign=1):  # in total and for each group's worker
+        self.counts[key] += sign * len(groups)
+        for g in groups:
+            known = g["worker"] in self.workers or len(self.workers) < MAX_WORKERS
+            name = g["worker"] if known else "(other)"
+            self.workers.setdefault(name, dict.fromkeys(WORKER_COUNTS, 0))[key] += sign
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def count(self, key):
+        with self.cond:
+            self.counts[key] += 1
+
+    def state(self):
+        return "done" if self.done else "waiting" if self.trainer_version is None else "running"
+
+    def stats(self):
+        with self.cond:
+            now = time.monotonic()
+            staleness = {str(k): v for k, v in sorted(self.staleness.items()) if v}
+            return {**self.counts, "buffered": len(self.groups),
+                    "buffered_mb": round(self.nbytes / 2**20, 1),
+                    # the groups a blocked trainer still lacks
+                    "waiting": max(0, self.waiting - len(self.groups)),
+                    "leased": {w: l.n for w, l in self.leases.items() if l.until > now and l.n > 0},
+                    "replicas": {w: {"share": round(share, 3), "leased": max(0, self.leases[w].n),
+                                     "groups_per_s": round(1 / self.pace[w], 3) if w in self.pace
+                                     else None} for w, share in self._shares(now).items()},
+                    "unconfirmed": sum(len(gs) for gs, _ in self.unconfirmed.values()),
+                    "trainer_version": self.trainer_version, "state": self.state(),
+                    "max_groups": self.max_groups, "contract": self.contract,
+                    "staleness": staleness,
+                    "workers": {k: dict(v) for k, v in self.workers.items()},
+                    "uptime_s": round(time.time() - self.started, 1)}
+
+    def give_back(self, groups, version, delivery=None):
+        """Groups whose GET /batch answer could not be written (the client left): back to the
+        front."""
+        with self.cond:
+            self.unconfirmed.pop(delivery, None)
+            self._give_back(groups, version)
+
+    def _give_back(self, groups, version):
+        self._deliver(groups, version, -1)
+        self.counts["returned"] += len(groups)
+        self.groups.extendleft(reversed(groups))
+        self._drop_stale()  # if the trainer moved on meanwhile
+
+    def _confirm(self, ack):
+        """The client read delivery `ack` (0: none): the other unconfirmed deliveries were never
+        read (a trainer killed with them unread): back to the buffer, the oldest in front."""
+        self.unconfirmed.pop(ack, None)
+        for d in sorted(self.unconfirmed, reverse=True):  # newest first: the oldest ends in front
+            self._give_back(*self.unconfirmed.pop(d))

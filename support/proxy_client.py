@@ -1,4 +1,4 @@
-"""proxy_client.py — ProxyClient, how rollout.py and trainer.py talk to proxy.py (support code).
+"""ProxyClient: how rollout.py and trainer.py talk to proxy.py (support code).
 
 Each call is one HTTP request with proxy.py's JSON (docs/protocol.md), ridden through restarts,
 5xx and 429 with backoff; an answer that retrying cannot fix raises ProxyError naming the call and

@@ -14,13 +14,16 @@ Fields and status codes: docs/protocol.md; hostile peers: docs/hostile-peers.md.
 
 import hashlib
 import hmac
+import json
 import logging
+import os
+import signal
 import time
 
 # the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
 from support import http_hardening
-from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, NAME, OLD_NAMES, ConfigError,
-                              check_fields, validate_rollouts)
+from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, NAME, OLD_NAMES,
+                              ConfigError, check_fields, validate_rollouts)
 from support.http_hardening import ApiError, check, parse_query, query_int, query_seconds
 from support.proxy_client import TOKEN_HEADER
 
@@ -54,7 +57,7 @@ def replica_worker(secret, got):
     return worker if ok else None
 
 
-# ---- HTTP: the routes (the hardening a service on the internet needs: proxy_http.py)
+# ---- HTTP: the routes (the hardening a service on the internet needs: support/http_hardening.py)
 
 class ProxyHandler(http_hardening.Handler):
     buffer, token, rollout_token = None, None, None  # serve() binds one server's own
@@ -199,3 +202,50 @@ def settle(contract):
                               f"--{old.replace('_', '-')} {c[old]} disagree: give one")
         c[new] = c[old] = c.get(new, c.get(old, CONTRACT[new]))
     return c
+
+
+def check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
+                  request_timeout, max_connections):
+    """Raise ConfigError for serve() settings that cannot work or are unsafe: no token off
+    loopback, a replicas' token without (or equal to) the trainer's, a limit <= 0, a setting the
+    contract does not have."""
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or "
+                          "--token (or listen on 127.0.0.1)")
+    if rollout_token and (rollout_token == token or not token):
+        raise ConfigError("--rollout-token (ROLLOUT_TOKEN) must come with a different --token "
+                          "(PROXY_TOKEN): the trainer's token opens every endpoint, the replicas' "
+                          "only theirs")
+    body_mb = 1 if max_body_mb is None else max_body_mb
+    limits = (max_groups, max_buffer_mb, body_mb, request_timeout, max_connections)
+    if min(limits) <= 0 or set(contract) - set(CONTRACT):
+        raise ConfigError("--max-groups, --max-buffer-mb, --max-body-mb, --request-timeout, "
+                          "--max-connections must be > 0; unknown settings "
+                          f"{sorted(set(contract) - set(CONTRACT))}")
+
+
+def run_until_done(server, thread, linger, stats_file=None):
+    """`python proxy.py`'s life after serve(): until the trainer is done and every replica was
+    told (or nobody asked for `linger` s), SIGTERM or Ctrl-C; then stop and write the final
+    /stats to stats_file."""
+    buf = server.buffer
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
+    try:
+        while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
+            thread.join(0.5)
+            with buf.cond:
+                told = set(buf.leases) <= buf.told_done
+                quiet = time.monotonic() - buf.last_request > linger
+            if buf.done and (told or quiet):
+                why = "every replica was told" if told else f"no request for {linger:g} s"
+                log.info("proxy: the trainer is done and %s: exiting", why)
+                break
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()
+    server.server_close()
+    log.info("proxy: stopped: %s", {k: v for k, v in buf.stats().items() if type(v) is int})
+    if stats_file:  # what the run ends with, also when it ended before anyone asked /stats
+        with open(stats_file + ".part", "w") as f:
+            json.dump(buf.stats(), f)
+        os.replace(stats_file + ".part", stats_file)

@@ -882,9 +882,9 @@ def test_the_quota_is_enforced_a_flood_cannot_fill_the_trainers_batch(proxy):
 
 
 def test_the_leases_table_is_bounded(proxy, monkeypatch):
-    import proxy as proxy_module
+    from support import leases
 
-    monkeypatch.setattr(proxy_module, "MAX_WORKERS", 8)
+    monkeypatch.setattr(leases, "MAX_WORKERS", 8)
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, lease_timeout=1.0)
     ProxyClient(url, token=TOKEN).set_version(0)
     shared = ProxyClient(url, token=REPLICA_TOKEN, max_wait=0)  # the shared secret: any name
