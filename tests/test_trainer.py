@@ -82,7 +82,7 @@ def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
     model = lora_model
     seqs = trainer.flatten_groups(fake_groups(model, 3, seed=7), 64)
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
-    advantages = trainer.grpo_loss.group_advantages(rewards, G)  # (B,)
+    advantages = grpo_loss.group_advantages(rewards, G)  # (B,)
     params = trainer_state.lora_parameters(model)
 
     def grads(budget):
@@ -112,7 +112,7 @@ def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_pat
     params = trainer_state.lora_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     seqs = trainer.flatten_groups(fake_groups(model, 2, seed=3), 64)
-    adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
+    adv = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
     for _ in range(2):
         opt.zero_grad()
         trainer.compute_loss_and_backward(model, seqs, adv, shared_prompt.make_microbatches(seqs, 100))
@@ -122,7 +122,7 @@ def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_pat
 
     fresh = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=5)
     fresh_opt = torch.optim.AdamW(trainer_state.lora_parameters(fresh), lr=1e-2, weight_decay=0.0)
-    d = trainer.sync.load_trainer_state(bucket, str(tmp_path / "state"))
+    d = buckets.load_trainer_state(bucket, str(tmp_path / "state"))
     state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
     assert (state["step"], state["version"]) == (2, 1)
     trainer_state.restore_state(fresh, fresh_opt, d, state)
@@ -375,7 +375,7 @@ def test_one_crafted_group_cannot_steer_the_step_by_default(lora_model):
 
     def gradient(gs):
         seqs = trainer.flatten_groups(gs, 64)
-        adv = trainer.grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
+        adv = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
         model.zero_grad(set_to_none=True)
         stats = trainer.compute_loss_and_backward(model, seqs, adv, shared_prompt.make_microbatches(seqs, 10**9),
                                                   delta=args.delta, epsilon_high=args.epsilon_high)
