@@ -47,7 +47,7 @@ median ratio of times to the target with a 95% bootstrap interval, the median fi
 
 --check-update N answers another question: is trainer.py's update TRL's? TRL trains N steps with the
 race's config while its batches (prompt and completion ids, rewards) and LoRA weights are kept; then
-trainer.py's functions (grpo_loss.group_advantages, collate, completion_logprobs,
+trainer.py's functions (grpo_loss.group_advantages, plain_logprobs_fast,
 compute_loss_and_backward) and an AdamW with trainer.py's settings replay the same batches from
 TRL's initial LoRA, and the weights are compared after each step (exit 1 if they differ by more
 than 1% of the update). --beta sets both sides' KL coefficient for it (TRL's reference model with

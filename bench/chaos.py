@@ -491,9 +491,9 @@ class Crafter:
             shutil.rmtree(dest, ignore_errors=True)
         set_peft_model_state_dict(self.model, weights)
         seqs = self.trainer.flatten_groups([g], 10**6)
-        mb = self.trainer.collate(seqs, list(range(len(seqs))), torch.zeros(len(seqs)), "cpu")
-        with torch.no_grad():
-            lp = self.trainer.completion_logprobs(self.model, mb, g["temperature"])  # (G, C)
+        with torch.no_grad():  # the current policy's log-probs, = trainer.plain_logprobs
+            lp = self.trainer.plain_logprobs(self.model, seqs, list(range(len(seqs))),
+                                             g["temperature"])  # (G, C)
         for r, c in enumerate(g["completions"]):
             c["logprobs"] = [x + shift for x in lp[r, :len(c["ids"])].tolist()]
 

@@ -371,7 +371,8 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
     """On-policy, the trainer's ratio exp(logp_trainer - logp_sampler) is 1 on every completion token:
     the sampler is rollout.py's hf engine at T = 0.7 on prompts of different lengths, with an adapter
     the trainer saved (nonzero B); the trainer's numbers come from trainer.py's own batch functions
-    (flatten_groups, make_microbatches, collate, completion_logprobs), several micro-batches."""
+    (flatten_groups, make_microbatches, completion_tensors, plain_logprobs_fast), several
+    micro-batches."""
     import trainer
 
     model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_shared_prompt.py -q
 
-trainer.completion_logprobs sends each group's prompt through the model once and forwards the G
+support/shared_prompt.py's plain_logprobs_fast (what trainer.py's step runs) sends each group's prompt through the model once and forwards the G
 completions on top of its KV cache. The reference here is the plain path it replaced
 (`trainer.plain_logprobs`: every row [left-padded prompt | completion] forwarded whole), and TRL's loss
 formulas written out below, independently of grpo_loss.py. The data: groups whose prompts have
