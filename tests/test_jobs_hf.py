@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import threading
 
@@ -24,6 +25,11 @@ printf '%q ' "$@" >> "$HF_STANDIN_LOG"; echo >> "$HF_STANDIN_LOG"
 if [ "$1 ${2:-}" = "jobs run" ] && [ -n "${HF_STANDIN_ENV:-}" ]; then  # the values --secrets would read
   for k in $HF_STANDIN_ENV; do printf '%s ' "${!k:-}"; done >> "${HF_STANDIN_LOG%/*}/hf-env.log"
   echo >> "${HF_STANDIN_LOG%/*}/hf-env.log"
+fi
+if [ "$1 ${2:-}" = "jobs run" ]; then  # what the job receives: each `--secrets NAME`'s value
+  prev=; for a in "$@"; do [ "$prev" != --secrets ] || printf '%q ' "$a=${!a:-}"; prev=$a; done \
+    >> "${HF_STANDIN_LOG%/*}/hf-secrets.log"
+  echo >> "${HF_STANDIN_LOG%/*}/hf-secrets.log"
 fi
 case "$1 ${2:-}" in
   "version ")
@@ -52,15 +58,19 @@ CONTRACT_FLAGS = ["--num-generations", "--groups-per-step", "--max-staleness", "
                   "--zero-variance"]
 
 
+GATEWAY_TOKEN = "hf_gateway_standin"  # the replicas' own token for the gateway (run_jobs's default)
+
+
 class Gateway(http.server.BaseHTTPRequestHandler):
     """The proxy job behind the Jobs gateway, as jobs.sh's health check meets it: /healthz answers
-    200 only with the user's HF token as a bearer (401 otherwise). Records each request's headers."""
+    200 only with a token that reads the namespace as a bearer: the user's HF token (the stand-in's
+    `hf auth token`) or GATEWAY_TOKEN (401 otherwise). Records each request's headers."""
 
     seen, stats, token = [], None, None  # stats: /stats's answer to the X-Proxy-Token `token`
 
     def do_GET(self):
         Gateway.seen.append(dict(self.headers))
-        ok = self.headers.get("Authorization") == "Bearer hf_standin_token"
+        ok = self.headers.get("Authorization") in ("Bearer hf_standin_token", f"Bearer {GATEWAY_TOKEN}")
         if self.path == "/stats":
             ok = ok and Gateway.stats is not None and self.headers.get("X-Proxy-Token") == Gateway.token
         ok = ok and self.path in ("/healthz", "/stats")
@@ -85,19 +95,24 @@ def gateway():
 
 
 def run_jobs(tmp_path, *args, **env_extra):
-    """Run jobs.sh with the stand-in first on PATH; returns (result, the stand-in's calls)."""
+    """Run jobs.sh with the stand-in first on PATH and GATEWAY_TOKEN set (env_extra may change
+    both); returns (result, the stand-in's calls)."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     hf = bindir / "hf"
     hf.write_text(STAND_IN)
     hf.chmod(0o755)
     log = tmp_path / "hf-calls.log"
-    if log.exists():
-        log.unlink()
+    for f in (log, tmp_path / "hf-secrets.log"):
+        if f.exists():
+            f.unlink()
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_STANDIN_LOG=str(log),
                HF_STANDIN_URL=Gateway.url)
-    for k in ("HF_TOKEN", "GATEWAY_TOKEN", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY"):
+    for k in ("HF_TOKEN", "GATEWAY_TOKEN", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY",
+              "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ROLLOUT_AWS_ACCESS_KEY_ID",
+              "ROLLOUT_AWS_SECRET_ACCESS_KEY", "DRY_RUN"):
         env.pop(k, None)
+    env["GATEWAY_TOKEN"] = GATEWAY_TOKEN
     env.update(env_extra)
     res = subprocess.run(jobs_sh(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     calls = [shlex.split(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -110,6 +125,18 @@ def value_after(argv, flag):
 
 def job_runs(calls):
     return [c for c in calls if c[:2] == ["jobs", "run"]]
+
+
+def secrets_given(tmp_path):
+    """{NAME: value} of each `hf jobs run`'s --secrets, as `hf` read them from its environment."""
+    path = tmp_path / "hf-secrets.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [dict(w.split("=", 1) for w in shlex.split(line)) for line in lines]
+
+
+def dry_run_commands(res):
+    """The `hf jobs run` commands DRY_RUN printed, each as the words after `hf`."""
+    return [shlex.split(line)[1:] for line in res.stderr.splitlines() if line.startswith("hf jobs run ")]
 
 
 def recorded_ids(name):
@@ -131,7 +158,7 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
     # the replicas and the trainer start only once the proxy answered /healthz through the gateway
     first_other = calls.index(r0)
     assert ["jobs", "inspect", "--format", "json", proxy_job_id(res)] in calls[calls.index(proxy):first_other]
-    assert [h.get("Authorization") for h in Gateway.seen] == ["Bearer hf_standin_token"]
+    assert [h.get("Authorization") for h in Gateway.seen] == [f"Bearer {GATEWAY_TOKEN}"]
     secrets = {}
     for c, role in zip(runs, ["proxy", "rollout-0", "rollout-1", "trainer"]):
         assert "--detach" in c and value_after(c, "--name") == [f"{name}-{role}"]
@@ -251,7 +278,7 @@ def test_hf_jobs_replicas_get_their_own_bound_credential(tmp_path, hf_run_name, 
     assert res.returncode == 0, res.stderr
     kept = dict(line.split("=", 1) for line in open(os.path.join(ROOT, "runs", hf_run_name, "secrets.env")).read().split())
     env_seen = [line.split() for line in (tmp_path / "hf-env.log").read_text().splitlines()]
-    assert env_seen[0] == [kept["ROLLOUT_TOKEN"], kept["PROXY_TOKEN"], "hf_standin_token"]  # proxy
+    assert env_seen[0] == [kept["ROLLOUT_TOKEN"], kept["PROXY_TOKEN"], GATEWAY_TOKEN]  # proxy
     for i in range(2):
         assert env_seen[1 + i][0] == proxy_service.replica_token(kept["ROLLOUT_TOKEN"], f"replica-{i}")
 
@@ -326,6 +353,86 @@ def test_hf_jobs_s3_bucket_dry_run(tmp_path, hf_run_name):
     assert f"--bucket s3://b/prefix/{hf_run_name}" in printed[-1]
 
 
+def test_hf_jobs_dry_run_prints_the_commands_the_launch_runs(tmp_path, hf_run_name, gateway):
+    """DRY_RUN prints the very words that `launch` runs: the launch (stand-in CLI) then receives
+    exactly those, but for the proxy's URL, which exists only once the proxy job does."""
+    settings = dict(NAME=hf_run_name, BUCKET="alice/b", ROLLOUT_FLAVORS="a10g-small l4x1",
+                    JOB_ENV="HF_HUB_OFFLINE=1", TRAINER_ARGS="--epsilon-high 0.28", DATA="gsm8k")
+    res, calls = run_jobs(tmp_path, DRY_RUN="1", **settings)
+    assert res.returncode == 0 and calls == [], res.stderr
+    printed = dry_run_commands(res)
+    assert len(printed) == 4, res.stderr  # 2 + N: the proxy, two replicas, the trainer
+    assert [line for line in res.stderr.splitlines() if " jobs run " in line] == [
+        line for line in res.stderr.splitlines() if line.startswith("hf jobs run ")]
+    res, calls = run_jobs(tmp_path, **settings)
+    assert res.returncode == 0, res.stderr
+    placeholder = r"--proxy https://\<proxy-job-id\>--8000.hf.jobs "  # (printf %q's escapes)
+    assert [placeholder in argv[-1] for argv in printed] == [False, True, True, True]
+    printed = [[w.replace(placeholder, f"--proxy {gateway} ") for w in argv] for argv in printed]
+    assert job_runs(calls) == printed
+
+
+def test_hf_jobs_no_replica_job_holds_the_accounts_credentials(tmp_path, hf_run_name, gateway):
+    """HF_TOKEN set: the replicas get neither its name nor its value, in DRY_RUN's commands or in
+    what `hf` reads for their --secrets; on s3:// they get the read-only ROLLOUT_AWS_* keys."""
+    account = "hf_the_accounts_own_token"
+    res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", REPLICAS="2", DRY_RUN="1",
+                      HF_TOKEN=account)
+    assert res.returncode == 0, res.stderr
+    printed = dry_run_commands(res)
+    for argv in printed[1:3]:  # the replicas
+        assert value_after(argv, "--secrets") == ["ROLLOUT_TOKEN", "GATEWAY_TOKEN"], argv
+        assert "HF_TOKEN" not in " ".join(argv) and account not in " ".join(argv)
+    assert "HF_TOKEN" in value_after(printed[-1], "--secrets")  # the trainer's, and only its
+    assert account not in res.stdout + res.stderr
+
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", REPLICAS="2", HF_TOKEN=account)
+    assert res.returncode == 0, res.stderr
+    given = secrets_given(tmp_path)
+    assert [sorted(g) for g in given] == [["PROXY_TOKEN", "ROLLOUT_TOKEN"],
+                                          ["GATEWAY_TOKEN", "ROLLOUT_TOKEN"],
+                                          ["GATEWAY_TOKEN", "ROLLOUT_TOKEN"],
+                                          ["GATEWAY_TOKEN", "HF_TOKEN", "PROXY_TOKEN", "TRAINER_STATE_KEY"]]
+    for g in given[:3]:
+        assert account not in g.values() and g.get("GATEWAY_TOKEN", GATEWAY_TOKEN) == GATEWAY_TOKEN
+    assert given[3]["HF_TOKEN"] == account
+
+    keys = dict(AWS_ACCESS_KEY_ID="AKIATRAINER", AWS_SECRET_ACCESS_KEY="trainer-secret",
+                ROLLOUT_AWS_ACCESS_KEY_ID="AKIAREADONLY", ROLLOUT_AWS_SECRET_ACCESS_KEY="read-secret")
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name + "-s3", BUCKET="s3://b/p", HF_TOKEN=account, **keys)
+    assert res.returncode == 0, res.stderr
+    proxy, replica, trainer = secrets_given(tmp_path)
+    assert (replica["AWS_ACCESS_KEY_ID"], replica["AWS_SECRET_ACCESS_KEY"]) == ("AKIAREADONLY", "read-secret")
+    assert (trainer["AWS_ACCESS_KEY_ID"], trainer["AWS_SECRET_ACCESS_KEY"]) == ("AKIATRAINER", "trainer-secret")
+    assert "trainer-secret" not in proxy.values() and account not in replica.values()
+    shutil.rmtree(os.path.join(ROOT, "runs", hf_run_name + "-s3"), ignore_errors=True)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"GATEWAY_TOKEN": ""}, "GATEWAY_TOKEN is not set."),
+    ({"GATEWAY_TOKEN": "hf_standin_token"}, "GATEWAY_TOKEN is your HF token"),  # `hf auth token`'s
+    ({"GATEWAY_TOKEN": "hf_same", "HF_TOKEN": "hf_same"}, "GATEWAY_TOKEN is your HF token"),
+    ({"BUCKET": "s3://b/p", "ROLLOUT_AWS_ACCESS_KEY_ID": "AKIARO"},
+     "BUCKET is s3://b/p: set ROLLOUT_AWS_ACCESS_KEY_ID and ROLLOUT_AWS_SECRET_ACCESS_KEY to keys"),
+    ({"BUCKET": "s3://b/p", "AWS_ACCESS_KEY_ID": "AKIA1", "ROLLOUT_AWS_ACCESS_KEY_ID": "AKIA1",
+      "ROLLOUT_AWS_SECRET_ACCESS_KEY": "s"}, "ROLLOUT_AWS_ACCESS_KEY_ID is the trainer's"),
+])
+def test_hf_jobs_refuses_to_give_a_replica_the_accounts_credentials(tmp_path, hf_run_name, env, message):
+    res, calls = run_jobs(tmp_path, **{"NAME": hf_run_name, "BUCKET": "alice/b", **env})
+    assert res.returncode != 0 and f"jobs.sh: error: {message}" in res.stderr, res.stderr
+    assert job_runs(calls) == [] and not os.path.exists(os.path.join(ROOT, "runs", hf_run_name))
+    if "GATEWAY_TOKEN is not set" in message:  # what to create, and where
+        assert "fine-grained token" in res.stderr and "https://huggingface.co/settings/tokens" in res.stderr
+
+
+def test_hf_jobs_dry_run_says_that_a_launch_would_refuse(tmp_path, hf_run_name):
+    """No GATEWAY_TOKEN: DRY_RUN still prints the commands, and the reason a launch stops, once."""
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1", GATEWAY_TOKEN="")
+    assert res.returncode == 0 and calls == [], res.stderr
+    assert len(dry_run_commands(res)) == 3
+    assert res.stderr.count("jobs.sh: DRY_RUN: a launch would refuse here: GATEWAY_TOKEN is not set") == 1
+
+
 def test_hf_jobs_needs_a_bucket(tmp_path):
     res, calls = run_jobs(tmp_path, NAME="x")
     assert res.returncode != 0 and "BUCKET is required" in res.stderr and calls == []
@@ -347,7 +454,7 @@ def test_the_bash_3_2_check_can_fail(tmp_path):
     assert res.returncode != 0 and "bash 3.2" in res.stderr
 
 
-@pytest.mark.parametrize("script", ["jobs.sh", "jobs_hf.sh", "scripts/gpu_check.sh"])
+@pytest.mark.parametrize("script", ["jobs.sh", "scripts/jobs_lib.sh", "scripts/gpu_check.sh"])
 def test_launch_scripts_use_nothing_newer_than_bash_3_2(script):
     text = open(os.path.join(ROOT, script)).read()
     code = "\n".join(line.split(" #")[0] for line in text.splitlines() if not line.lstrip().startswith("#"))

@@ -1,12 +1,13 @@
 """`bash jobs.sh --local` end to end on the tiny model: real proxy, replica and trainer processes.
 
 Checks the run folder afterwards (metrics with a rising toy reward, several adapter versions,
-the before/after table) and that no process of the run is left behind — after a normal finish
-and after Ctrl-C.
+the before/after table), the live display (each step's line once, with N/STEPS and the time),
+and that no process of the run is left behind — after a normal finish and after Ctrl-C.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -62,8 +63,12 @@ def run_name():
     shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
 
 
-def test_local_run_learns_and_cleans_up(tiny_model, run_name):
-    env, run = run_env(tiny_model, run_name), os.path.join(ROOT, "runs", run_name)
+@pytest.fixture(scope="module")
+def local_run(tiny_model):
+    """One `bash jobs.sh --local` on the tiny model, 24 steps: (its result, the run's folder, the
+    run's processes still alive a second after it returned)."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    env, run = run_env(tiny_model, name), os.path.join(ROOT, "runs", name)
     port = int(env["PROXY_PORT"])
     try:
         res = subprocess.run(["bash", "jobs.sh", "--local"], cwd=ROOT, env=env,
@@ -72,6 +77,12 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
         left = processes_of(run, port)
     finally:
         kill_leftovers(run, port)
+    yield res, run, left
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def test_local_run_learns_and_cleans_up(local_run):
+    res, run, left = local_run
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = buckets.read_metrics(os.path.join(run, "bucket"))
     assert [m["step"] for m in metrics] == list(range(1, 25))
@@ -94,6 +105,21 @@ def test_local_run_learns_and_cleans_up(tiny_model, run_name):
     assert "rollout-0 exited by itself (status 0)" in res.stdout and "proxy exited by itself (status 0)" in res.stdout
     assert "still running" not in res.stdout, res.stdout[-3000:]
     assert left == []  # replica, trainer and proxy are all gone
+
+
+def test_local_run_shows_every_step_once(local_run):
+    """The live display shows each step line of trainer.log once, as "[N/24 mm:ss] step N v...":
+    none skipped between two looks at the log, none repeated, the last ones too."""
+    res, run, _ = local_run
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    shown = re.findall(r"^  \[(\d+)/24 (\d\d):(\d\d)\] (step (\d+) v\d+ \|.*)$", res.stdout, re.M)
+    assert [int(n) for n, _, _, _, _ in shown] == list(range(1, 25)), res.stdout[-3000:]
+    assert all(n == step for n, _, _, _, step in shown)
+    elapsed = [int(m) * 60 + int(sec) for _, m, sec, _, _ in shown]
+    assert elapsed == sorted(elapsed)  # time since training started, as the lines came
+    with open(os.path.join(run, "trainer.log")) as f:
+        logged = [line.rstrip("\n") for line in f if re.match(r"step \d+ v\d+ \|", line)]
+    assert [line for _, _, _, line, _ in shown] == logged  # each line as the trainer wrote it
 
 
 def test_local_run_refuses_a_port_another_proxy_answers_on(run_name):
