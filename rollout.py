@@ -39,6 +39,7 @@ import time
 import uuid
 
 import sync
+from support.adapter_tags import Untrusted, adapter_key
 from support.buckets import BucketError, CorruptAdapter, open_bucket
 from support.cli import replica_args
 from support.contract import CONTRACT_FLAGS, make_completion, make_group
@@ -85,7 +86,8 @@ class Replica:
         the future)."""
         latest = None
         try:
-            latest = sync.latest_version(self.bucket)
+            # with ADAPTER_KEY (the cache's key): a LATEST the trainer did not tag is Untrusted
+            latest = sync.latest_version(self.bucket, self.cache_dir.key)
             known = self.trainer_version
             if latest is None or (self.version is not None and latest <= self.version) or (
                     known is not None and latest > known):
@@ -95,7 +97,7 @@ class Replica:
             path = self.cache_dir.pull(self.bucket, latest, timeout=timeout)
         except BucketError as e:
             # keep generating with the (verified) adapter in hand, look again on the next step
-            return self.keep_serving(latest, e)
+            return self.keep_serving(getattr(e, "version", latest), e)
         t1 = time.time()
         self.engine.load_adapter(latest, path)  # hot: no engine restart
         self.cache_dir.keep_only(path)  # older pulls are loaded already or never needed again
@@ -178,11 +180,13 @@ class Replica:
         if self.version is None:
             raise e
         serving = f"still serving v{self.version}: {e}"
+        refused = isinstance(e, (CorruptAdapter, Untrusted))  # not a lag: said once a version
         if latest is None:  # LATEST unreadable: the bucket is down (not a mount's lag)
             self.log(f"cannot check the bucket for a newer adapter, {serving}")
-        elif isinstance(e, CorruptAdapter) and self.corrupt != latest:  # not a lag: once
-            self.log(f"adapter v{latest} is corrupt, {serving}")
-        self.corrupt = latest if isinstance(e, CorruptAdapter) else self.corrupt
+        elif refused and self.corrupt != latest:
+            why = "is corrupt" if isinstance(e, CorruptAdapter) else "refused (not the trainer's)"
+            self.log(f"adapter v{latest} {why}, {serving}")
+        self.corrupt = latest if refused else self.corrupt
 
     def log_batch(self, groups, reply, gen_s):
         """One line per batch; returns what it says (the tests read it)."""
@@ -224,18 +228,28 @@ def run_replica(args):
     client = ProxyClient(args.proxy, token=args.token, max_wait=args.proxy_wait)
     take_contract(args, client)  # a wrong URL or token ends here, before a model is loaded
     # a temporary folder unless --cache-dir: removed at exit
-    cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-")
+    # env ADAPTER_KEY: an adapter or a LATEST without the trainer's tag is refused
+    cache_dir = sync.AdapterCache(args.cache_dir, prefix=f"rollout-{args.replica_id}-",
+                                  key=adapter_key())
     # the engine while the trainer starts, unless it needs v0's LoRA rank (vLLM without
     # --max-lora-rank): the start of a run is the two roles' model loads side by side
     engine = None
     if args.max_lora_rank or pick_engine(args.engine)[0] != "vllm":
         engine = make_engine(args, args.max_lora_rank)
-    # the trainer publishes v0 before its first step
-    if (first := sync.latest_version(bucket)) is None:
-        print(f"[{name}] waiting for adapter v0 in {bucket.url}", flush=True)
+    # the trainer publishes v0 before its first step; a LATEST it did not tag (with a key) is
+    # said once and waited out: the trainer's next publish replaces it
+    first = said = None
     while first is None:
-        time.sleep(args.poll_interval)
-        first = sync.latest_version(bucket)
+        why = f"waiting for adapter v0 in {bucket.url}"
+        try:
+            first = sync.latest_version(bucket, cache_dir.key)
+        except Untrusted as e:
+            why = str(e)
+        if first is None and why != said:
+            print(f"[{name}] {why}", flush=True)
+            said = why
+        if first is None:
+            time.sleep(args.poll_interval)
     path = cache_dir.pull(bucket, first)
     with open(os.path.join(path, sync.MANIFEST)) as f:
         base = json.load(f).get("base_model")  # the trainer's --model
@@ -264,10 +278,11 @@ def eval_adapter(args):
         raise BucketError("--eval --adapter latest|N needs --bucket (a directory or "
                           "s3://bucket/prefix)")
     bucket = open_bucket(args.bucket)
-    version = sync.latest_version(bucket) if args.adapter == "latest" else int(args.adapter)
+    key = adapter_key()  # env ADAPTER_KEY: only a version the trainer tagged
+    version = sync.latest_version(bucket, key) if args.adapter == "latest" else int(args.adapter)
     if version is None:
         raise BucketError(f"no adapter in {bucket.url} yet: train first or use --adapter base")
-    cache_dir = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-")
+    cache_dir = sync.AdapterCache(args.cache_dir, prefix="rollout-eval-", key=key)
     return version, cache_dir.pull(bucket, version)
 
 

@@ -5,7 +5,7 @@ s3://bucket/prefix through boto3 (AWS S3, R2, MinIO, HF Storage Buckets), set up
 AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (HF: https://s3.hf.co/<namespace>).
 
     adapters/v{N:06d}/{adapter_config.json, adapter_model.safetensors, manifest.json}
-    adapters/LATEST     {"version": N}, written only after all of v N and its manifest
+    adapters/LATEST     {"version": N, "tag": T}, written only after all of v N and its manifest
     trainer/STATE       {"id": ID}: the resume state is trainer/ID/ (with its manifest.json)
     metrics/step-{S:06d}.json   one JSON object per trainer step S (a redone step replaces its own)
 
@@ -14,7 +14,8 @@ The hand-off of an adapter, in this file's order:
                 then adapters/LATEST (publish_adapter)
     2. find     a replica reads adapters/LATEST, one small object (latest_version)
     3. pull     the replica downloads v N and hands it out only once every file matches the
-                manifest (pull_adapter; AdapterCache keeps a replica's pulls)
+                manifest, and with ADAPTER_KEY once the manifest carries the trainer's tag
+                (pull_adapter; AdapterCache keeps a replica's pulls)
 The dir and S3 backends, the verified fetch, the trainer state and the metrics:
 support/buckets.py.
 
@@ -22,10 +23,18 @@ A mounted bucket is eventually consistent (a file can appear before its bytes, L
 files it names), so pull_adapter hands out a version only once every file matches manifest.json.
 Whoever can write the bucket (replicas hold its keys) could plant anything: every name and number
 read from it is checked, and a value that does not fit is a BucketError, never a path outside it.
+Who wrote a version, support/adapter_tags.py: with ADAPTER_KEY (the trainer and the replicas),
+each manifest and LATEST carry an HMAC tag ("tag"), and a replica refuses a version or a LATEST
+without one (Untrusted); with TRAINER_STATE_KEY (the trainer alone), each manifest also carries
+"trainer_tag" and "state_step" (the step of the newest resume state saved before it), so that the
+trainer passes over a LATEST or version it did not publish, and refuses a resume state older than
+its own newest. Without the keys nothing is tagged or checked. Manifest fields: version, created,
+files ({name: {sha256, bytes}}), the trainer's base_model, step, state_step, and the tags.
 
     python sync.py ls runs/bucket                          # versions, sizes, ages, LATEST
     python sync.py push runs/bucket ./my-adapter --version 3
     python sync.py pull s3://my-bucket/run1 ./adapters     # newest -> ./adapters/v000003
+    ADAPTER_KEY=... python sync.py pull ...                # checks (push: writes) the tags
     python sync.py metrics runs/bucket | tail -n 3         # the trainer's step records (JSON)
     python -m pytest tests/test_sync.py -q ; python bench/bench_sync.py
 """
@@ -34,7 +43,6 @@ import argparse
 import atexit
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -47,20 +55,25 @@ import time
 from support.buckets import (LATEST, MANIFEST, METRICS_KEY, BucketError, DirBucket,
                              as_bucket, fetch_verified, manifest_entry, open_bucket, read_metrics,
                              safe_name, current_state_id, verified_local)
+# who wrote a version: the tags under ADAPTER_KEY / TRAINER_STATE_KEY (support/adapter_tags.py)
+from support.adapter_tags import (MAX_VERSION, adapter_key, check_adapter, check_latest,
+                                  is_tagged, latest_record, own_latest_and_folder, read_latest,
+                                  version_numbers, with_tags)
 
-VERSION_KEY = re.compile(r"^adapters/v(\d{6,})/")
-MAX_VERSION = 2**31  # versions are < 2^31, as the proxy's
 PULLED = ".pulled-by-sync"  # the mark pull_adapter leaves in each folder it creates
 
 
 # ---- ALGO: 1. publish a version (its files, its manifest, then LATEST)  2. find the newest
 #           3. pull it, verified against its manifest (a replica keeps its pulls in AdapterCache)
 
-def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
+def publish_adapter(bucket, adapter_dir, version, keep=6, key=None, trainer_key=None, **meta):
     """Upload a PEFT folder to adapters/v{version:06d}/, then its manifest.json (+ meta such as
-    step), then adapters/LATEST; then delete all but the newest `keep` versions (None keeps all).
-    Returns the manifest. Versions are immutable: an existing one, or one not newer than LATEST,
-    is refused."""
+    step), then adapters/LATEST; then delete all but the newest `keep` versions up to this one
+    (None keeps all). Returns the manifest. Versions are immutable: an existing one, or one not
+    newer than LATEST, is refused. key (env ADAPTER_KEY) tags the manifest and LATEST for the
+    replicas; trainer_key (env TRAINER_STATE_KEY) tags the manifest as the trainer's own, and then
+    only its own LATEST and versions can refuse a publish: one it did not write is named on stderr
+    and replaced, so a bucket writer cannot end the run."""
     b, src = as_bucket(bucket), DirBucket(adapter_dir)
     if not isinstance(version, int) or not 0 <= version < MAX_VERSION:
         raise BucketError(f"adapter version must be an int in [0, 2^31), got {version!r}")
@@ -70,42 +83,47 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, **meta):
     if not files:
         raise BucketError(f"{adapter_dir} holds no files (or is not a folder): pass the folder "
                           "PEFT's save_pretrained wrote")
-    prefix, latest = f"adapters/v{version:06d}/", latest_version(b)
-    exists = b.read(prefix + MANIFEST) is not None
+    prefix = f"adapters/v{version:06d}/"
+    # what would refuse it: the version already there, a LATEST not older (with trainer_key, only
+    # the trainer's own: support/adapter_tags.py)
+    latest, exists = own_latest_and_folder(b, version, trainer_key) if trainer_key else (
+        latest_version(b), b.read(prefix + MANIFEST) is not None)
     if exists or (latest is not None and version <= latest):
         what = "already exists" if exists else "is not newer"
+        todo = f"publish {(latest or 0) + 1} or later" if (latest or 0) + 1 < MAX_VERSION else (
+            f"no version can follow {latest} (versions are < 2^31), and trainer.py never writes "
+            f"it: delete {b.url}/{LATEST} (with TRAINER_STATE_KEY the trainer replaces a LATEST "
+            "it did not write)")
         raise BucketError(f"{b.url}: adapter v{version:06d} {what} (LATEST is {latest}): versions "
-                          f"are immutable, publish {(latest or 0) + 1} or later")
+                          f"are immutable, {todo}")
     # The order is the protocol: a reader trusts a version only once its manifest lists every
     # file, and finds it only through LATEST, written last.
     for name, data in files.items():
         b.write(prefix + name, data)
-    manifest = {**meta, "version": version, "created": time.time(),
-                "files": {n: manifest_entry(d) for n, d in files.items()}}
+    manifest = with_tags({**meta, "version": version, "created": time.time(),
+                          "files": {n: manifest_entry(d) for n, d in files.items()}},
+                         key, trainer_key)
     b.write(prefix + MANIFEST, json.dumps(manifest, indent=1).encode())
-    b.write(LATEST, json.dumps({"version": version}).encode())
-    for old in versions(b)[:-max(1, keep)] if keep is not None else []:
+    b.write(LATEST, json.dumps(latest_record(version, key)).encode())
+    # prune the versions below this one (a folder planted above it cannot push this one out)
+    older = [v for v in version_numbers(b) if v < version]
+    for old in older[:max(0, len(older) + 1 - max(1, keep))] if keep is not None else []:
         b.delete(f"adapters/v{old:06d}/{MANIFEST}")  # first: readers then see it as incomplete
-        for key in b.list(f"adapters/v{old:06d}/"):
-            b.delete(key)
+        for stale in b.list(f"adapters/v{old:06d}/"):
+            b.delete(stale)
     if isinstance(b, DirBucket):  # S3 writes are whole objects: no temp files
         b.prune_temp()
     return manifest
 
 
-def latest_version(bucket):
+def latest_version(bucket, key=None):
     """The version adapters/LATEST names; None when nothing was published (or LATEST is torn on a
-    mount); BucketError when it holds anything but {"version": N} with an int N >= 0."""
+    mount); BucketError when it holds anything but {"version": N, ...} with an int N >= 0. With
+    key (env ADAPTER_KEY): Untrusted unless it carries the trainer's tag."""
     b = as_bucket(bucket)
-    try:
-        value = json.loads(raw := b.read(LATEST))
-    except (ValueError, TypeError):  # TypeError: json.loads(None), no LATEST
-        return None
-    if not (isinstance(value, dict) and type(version := value.get("version")) is int
-            and 0 <= version < MAX_VERSION):
-        raise BucketError(f"{b.url}: {LATEST} holds {raw[:100]!r}, not {{\"version\": N}} with an "
-                          "int 0 <= N < 2^31 as trainer.py writes it: delete it (the trainer's "
-                          "next publish writes it again)")
+    version, value = read_latest(b)  # support/adapter_tags.py: {"version": N, "tag": T}
+    if key and version is not None:
+        check_latest(value, key, b.url)
     return version
 
 
@@ -113,22 +131,25 @@ def versions(bucket):
     """Sorted adapter versions that have at least one key in the bucket (complete or not);
     BucketError for a folder numbered 2^31 or more (a number trainer.py never publishes)."""
     b = as_bucket(bucket)
-    found = sorted({int(m.group(1)) for k in b.list("adapters/v")
-                    if (m := VERSION_KEY.match(k))})
+    found = version_numbers(b)
     if found and found[-1] >= MAX_VERSION:
         raise BucketError(f"{b.url}: adapters/v{found[-1]:06d}/ is numbered past the versions' "
                           f"limit 2^31 - 1: not written by trainer.py; delete that folder")
     return found
 
 
-def pull_adapter(bucket, version, dest_dir, timeout=60.0):
+def pull_adapter(bucket, version, dest_dir, timeout=60.0, key=None):
     """dest_dir/v{version:06d} once every file matches the manifest (retrying up to timeout s,
-    then BucketError naming bucket, version and file). A verified local copy costs no transfer."""
+    then BucketError naming bucket, version and file); with key (env ADAPTER_KEY), only if the
+    manifest carries the trainer's tag for this version (else Untrusted). A verified local copy
+    costs no transfer."""
     b, name, dest_dir = as_bucket(bucket), f"v{version:06d}", os.fspath(dest_dir)
     dest = os.path.join(dest_dir, name)
-    if verified_local(dest):
+    if pulled_copy(dest, version, key):
         return dest
     files = fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
+    if key:  # a version the trainer did not tag is refused before it reaches the disk
+        check_adapter(files[MANIFEST], version, key, b.url)
     os.makedirs(dest_dir, exist_ok=True)
     if os.path.exists(dest) and not os.path.exists(os.path.join(dest, PULLED)):
         raise BucketError(f"{dest} exists and was not made by sync.py (no {PULLED} in it): move it "
@@ -137,12 +158,12 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     try:
         for fname, data in {**files, PULLED: b""}.items():
             DirBucket(tmp).write(fname, data)
-        if os.path.exists(dest) and not verified_local(dest):
+        if os.path.exists(dest) and not pulled_copy(dest, version, key):
             shutil.rmtree(dest, ignore_errors=True)  # ours (marked), but torn or changed since
         try:
             os.rename(tmp, dest)  # the whole folder at once: nobody sees half of it
         except OSError:  # another thread or process got there first
-            if not verified_local(dest):
+            if not pulled_copy(dest, version, key):
                 raise BucketError(f"could not put adapter {name} into {dest}: remove that "
                                   "folder") from None
     finally:
@@ -150,15 +171,25 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0):
     return dest
 
 
+def pulled_copy(folder, version, key=None):
+    """folder holds v{version}'s files matching its manifest, tagged by the trainer if there is a
+    key."""
+    if not verified_local(folder):
+        return False
+    with open(os.path.join(folder, MANIFEST), "rb") as f:
+        return key is None or is_tagged(f.read(), version, key)
+
+
 # ---- SUPPORT: the replica's cache of pulls (AdapterCache), then the command line
 
 class AdapterCache:
     """Where a replica pulls adapters; os.fspath(cache) is the folder. A given folder (rollout.py
     --cache-dir) may hold anything else: only version folders this cache pulled are ever deleted.
-    Without one, a temporary folder is made and removed whole by close(), at exit or on SIGTERM."""
+    Without one, a temporary folder is made and removed whole by close(), at exit or on SIGTERM.
+    key (env ADAPTER_KEY): each pull is refused unless the trainer tagged the version."""
 
-    def __init__(self, folder=None, prefix="adapters-"):
-        self.owned, self.pulled, self.failed = folder is None, set(), set()
+    def __init__(self, folder=None, prefix="adapters-", key=None):
+        self.owned, self.pulled, self.failed, self.key = folder is None, set(), set(), key
         self.folder = tempfile.mkdtemp(prefix=prefix) if self.owned else os.path.abspath(folder)
         if self.owned:
             atexit.register(self.close)
@@ -176,7 +207,7 @@ class AdapterCache:
         new = not os.path.exists(os.path.join(self.folder, f"v{version:06d}"))
         timeout = 0 if version in self.failed else timeout
         try:
-            path = pull_adapter(bucket, version, self.folder, timeout=timeout)
+            path = pull_adapter(bucket, version, self.folder, timeout=timeout, key=self.key)
         except BucketError:
             self.failed.add(version)
             raise
@@ -239,6 +270,7 @@ def main(argv=None):
     push.add_argument("--keep", type=int, default=6,
                       help="newest versions kept; older ones are deleted")
     args = p.parse_args(argv)
+    key = adapter_key()  # env ADAPTER_KEY: pull checks the trainer's tags, push writes them
     try:
         if args.cmd == "ls":
             print(listing(args.bucket))
@@ -247,13 +279,13 @@ def main(argv=None):
                 print(json.dumps(record))
         elif args.cmd == "pull":
             b = open_bucket(args.bucket)
-            version = latest_version(b) if args.version is None else args.version
+            version = latest_version(b, key) if args.version is None else args.version
             if version is None:
                 raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one "
                                   "first (python sync.py push BUCKET DIR --version 0)")
-            print(pull_adapter(b, version, args.dest, timeout=args.timeout))
+            print(pull_adapter(b, version, args.dest, timeout=args.timeout, key=key))
         else:
-            m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep)
+            m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep, key=key)
             size = sum(f["bytes"] for f in m["files"].values()) / 1e6
             print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to "
                   f"{args.bucket}")

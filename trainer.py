@@ -202,13 +202,17 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 
 # ---- ALGO, 5. publish: the adapter to the bucket (and the resume state), then the proxy
 
-def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None, key=None):
+def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None, key=None,
+            adapter_key=None, saved_step=None):
     """Publish the adapter as `version` (sync.publish_adapter: its files, its manifest, then
     LATEST); with `state`, also save the resume state (weights, optimizer, RNGs), tagged with an
-    HMAC under `key` (env TRAINER_STATE_KEY) when there is one."""
+    HMAC under `key` (env TRAINER_STATE_KEY) when there is one. The manifest is tagged for the
+    replicas under adapter_key (env ADAPTER_KEY) and as the trainer's own under key, with
+    saved_step: the step of the newest resume state saved before it."""
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)  # the PEFT folder: adapter_config.json, adapter_model.safetensors
-        sync.publish_adapter(bucket, d, version, keep=keep, base_model=base_model, step=step)
+        sync.publish_adapter(bucket, d, version, keep=keep, key=adapter_key, trainer_key=key,
+                             base_model=base_model, step=step, state_step=saved_step)
         if state is not None:
             write_state(d, state, optimizer, key)
             save_trainer_state(bucket, d)
@@ -224,8 +228,9 @@ def train(args):
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
     # the run's settings: the proxy's
     vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
-    # the model with a fresh LoRA, or as the resume state in the bucket left it
-    run = start_run(args, bucket, contract, sync.latest_version(bucket), sync.versions(bucket))
+    # the model with a fresh LoRA, or as the resume state in the bucket left it; its versions
+    # follow its own (with TRAINER_STATE_KEY, a LATEST it did not write is passed over)
+    run = start_run(args, bucket, contract)
     model, optimizer, step, version = run.model, run.optimizer, run.step, run.version
     groups_consumed = run.groups_consumed
     # versions kept in the bucket: every one a replica may still be using
@@ -234,7 +239,9 @@ def train(args):
     def publish_and_save(version, save):
         state = {"step": step, "version": version, "published_step": step,
                  "groups_consumed": groups_consumed, "args": vars(args)} if save else None
-        publish(model, bucket, version, keep, args.model, step, state, optimizer, run.key)
+        publish(model, bucket, version, keep, args.model, step, state, optimizer, run.key,
+                run.adapter_key, run.saved_step)
+        run.saved_step = step if save else run.saved_step  # what the next manifests record
         # The handshake: after the files, so a replica told of v by /quota finds it in the bucket
         # (proxy.RolloutBuffer.set_version; the replica's side is rollout.Replica.step).
         client.set_version(version)

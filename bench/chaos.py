@@ -63,6 +63,8 @@ from support.proxy_client import ProxyClient, ProxyError
 
 TOKEN = "chaos-token"  # the trainer's (PROXY_TOKEN): every endpoint
 ROLLOUT_TOKEN = "chaos-rollout-token"  # the replicas' (ROLLOUT_TOKEN): /rollouts, /quota, /config, /stats only
+# the bucket's keys, as jobs.sh gives them: the trainer tags its adapters and state, the replicas check the tags
+BUCKET_KEYS = {"ADAPTER_KEY": "chaos-adapter-key", "TRAINER_STATE_KEY": "chaos-state-key"}
 PUBLISHED = re.compile(r"^published v(\d+) at step (\d+)$", re.M)
 STEP = re.compile(r"^step (\d+) v(\d+) ", re.M)
 RESUMED = re.compile(r"^(resumed from step (\d+), version (\d+)|starting fresh)", re.M)
@@ -266,7 +268,8 @@ def check_publishes(trainer_log):
 class LocalSystem:
     """proxy.py, N rollout.py replicas (hf engine, toy task) and trainer.py as separate processes
     on 127.0.0.1, one thread each, logs under `workdir`. Each role holds only its own token: the
-    trainer PROXY_TOKEN, the replicas ROLLOUT_TOKEN, the proxy both."""
+    trainer PROXY_TOKEN, the replicas ROLLOUT_TOKEN, the proxy both; the bucket keys (BUCKET_KEYS):
+    the trainer both, the replicas ADAPTER_KEY."""
 
     def __init__(self, workdir, model, bucket, replicas=2, max_staleness=2, num_generations=8, env=None,
                  trainer_args=(), replica_args=(), proxy_args=()):
@@ -278,6 +281,8 @@ class LocalSystem:
                     "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}  # the proxy's
         replica_env = {k: v for k, v in self.env.items() if k != "PROXY_TOKEN"}  # rollout.py takes ROLLOUT_TOKEN
         trainer_env = {k: v for k, v in self.env.items() if k != "ROLLOUT_TOKEN"}
+        replica_env.setdefault("ADAPTER_KEY", BUCKET_KEYS["ADAPTER_KEY"])  # checks the trainer's tags
+        trainer_env = {**BUCKET_KEYS, **trainer_env}  # only the trainer holds TRAINER_STATE_KEY
         self.rollout_token = self.env["ROLLOUT_TOKEN"]
         py, G, S = sys.executable, str(num_generations), str(max_staleness)
         self.roles = {"proxy": Role("proxy", [py, "proxy.py", "--port", str(self.port), "--max-staleness", S,

@@ -3,8 +3,9 @@ GRPO step, not to follow it.
 
     build_model, make_optimizer  the base model + a fresh LoRA; AdamW (departure 5)
     start_run    everything before the first step: the resume state in the bucket (checked; with
-                 env TRAINER_STATE_KEY, authenticated), the model and AdamW restored from it, the
-                 first version (starting_version), --report-to
+                 env TRAINER_STATE_KEY, authenticated, and refused when older than the newest
+                 this trainer saved), the model and AdamW restored from it, the first version
+                 (starting_version, after the trainer's own: numbers_to_follow), --report-to
     write_state  the resume state trainer.publish saves beside the adapter (state.pt, its HMAC)
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q
@@ -18,12 +19,15 @@ import os
 import pickle
 import random
 import re
+import sys
 import tempfile
 from types import SimpleNamespace
 
 import torch
 
-from support.buckets import load_trainer_state
+from support.adapter_tags import (MAX_VERSION, adapter_key, own_versions, read_latest,
+                                  version_numbers)
+from support.buckets import LATEST, BucketError, load_trainer_state
 
 
 class TrainerError(Exception):
@@ -61,13 +65,15 @@ def make_optimizer(params, args):
 
 # ---- the start of a run: the resume state, the model, the first version
 
-def start_run(args, bucket, contract, latest, seen):
+def start_run(args, bucket, contract):
     """Everything before the first step. Loads the resume state in the bucket (checked; with env
-    TRAINER_STATE_KEY, authenticated), builds the model and AdamW and restores them from it, picks
-    the first version (starting_version: latest is the bucket's LATEST, seen the versions it holds
-    files of), starts --report-to. Prints the run's first lines.
+    TRAINER_STATE_KEY, authenticated, and refused when older than the newest this trainer saved),
+    builds the model and AdamW and restores them from it, picks the first version
+    (starting_version, from the bucket's LATEST and version folders as numbers_to_follow reads
+    them), starts --report-to. Prints the run's first lines.
     Returns a namespace: bucket, model, optimizer, step, version, must_publish, groups_consumed,
-    key, limits (what group_problem checks a group against), reporter."""
+    key, adapter_key (env ADAPTER_KEY), saved_step (the step of the newest resume state saved),
+    limits (what group_problem checks a group against), reporter."""
     tmp, key = tempfile.TemporaryDirectory(), os.environ.get("TRAINER_STATE_KEY") or None
     state_dir = load_trainer_state(bucket, tmp.name)
     state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
@@ -78,10 +84,16 @@ def start_run(args, bucket, contract, latest, seen):
                            "start fresh (and set TRAINER_STATE_KEY: an HMAC then shows who wrote "
                            "it)")
     where = f"{bucket.url}/trainer"
+    latest, seen, own = numbers_to_follow(bucket, key, state)
+    if state is not None and (why := older_than_saved(state, own)):
+        raise TrainerError(f"{where}: {why}: put back the newest trainer/ state, or remove {where} "
+                           "to start afresh")
     print(f"resumed from step {state['step']}, version {state['version']} (state in {where})"
           if state else f"starting fresh: no trainer state in {bucket.url}")
     print(f"run settings from the proxy: {contract}")
     version, must_publish = starting_version(state, latest, seen)
+    if version + max(0, args.max_steps - (state["step"] if state else 0)) >= MAX_VERSION:
+        raise TrainerError(no_room(bucket.url, version, args.max_steps, latest, seen, state))
     if latest is not None and not state:
         print(f"note: {bucket.url} already holds adapters up to v{latest}; this run starts at "
               f"v{version}")
@@ -115,7 +127,8 @@ def start_run(args, bucket, contract, latest, seen):
     tmp.cleanup()
     return SimpleNamespace(bucket=bucket, model=model, optimizer=optimizer, step=step,
                            version=version, must_publish=must_publish,
-                           groups_consumed=groups_consumed, key=key, limits=limits,
+                           groups_consumed=groups_consumed, key=key, adapter_key=adapter_key(),
+                           saved_step=state["step"] if state else None, limits=limits,
                            reporter=reporter)
 
 
@@ -156,6 +169,63 @@ def starting_version(state, latest, seen=()):
         return state["version"], False
     known = [v for v in (latest, state["version"] if state else None, *seen) if v is not None]
     return (1 + max(known) if known else 0), True
+
+
+def numbers_to_follow(b, key, state):
+    """(latest, seen, own) of the bucket b for starting_version. Without a key: LATEST (a
+    BucketError if it is not {"version": N}) and every version folder, own {}. With key (env
+    TRAINER_STATE_KEY): own = {version: manifest} of the versions whose manifest carries this
+    trainer's tag (support/adapter_tags.py), seen = those and the folders right after the newest
+    of them and of the state's (publishes cut short by a kill: never reused), latest = LATEST if
+    it names one of them. A LATEST or a folder past them that the trainer did not write is named
+    on stderr and passed over (its next publish replaces LATEST): a bucket writer can neither end
+    the run nor make it skip ahead."""
+    if not key:
+        return read_latest(b)[0], version_numbers(b), {}
+    own, numbers = own_versions(b, key), version_numbers(b)
+    seen, top = set(own), max([*own, state["version"] if state else -1])
+    while top + 1 in numbers:  # the folder of a publish a kill cut short (or a planted one)
+        top += 1
+        seen.add(top)
+    try:
+        latest, what = read_latest(b)[0], None
+    except BucketError:  # not even {"version": N}
+        latest, what = None, f"{LATEST} (not {{\"version\": N}})"
+    if latest is not None and latest not in own:
+        latest, what = None, f"{LATEST} (v{latest})"
+    passed = [what] * (what is not None) + [f"adapters/v{n:06d}/" for n in numbers if n > top]
+    if passed:
+        print(f"trainer: {b.url}: not published by this trainer (no tag under TRAINER_STATE_KEY), "
+              f"passed over: {', '.join(passed[:4])}{' ...' * (len(passed) > 4)}; its next "
+              f"publish replaces {LATEST}", file=sys.stderr, flush=True)
+    return latest, seen, own
+
+
+def older_than_saved(state, own):
+    """Why the resume state is older than the newest one this trainer had saved (the largest
+    "state_step" of its own manifests: a copy of trainer/ put back later), or None. A state one
+    save older cannot be told from a kill during that save, and is accepted."""
+    saved = [(m["state_step"], v) for v, m in own.items() if type(m.get("state_step")) is int]
+    if saved and (newest := max(saved))[0] > state["step"]:
+        return (f"the resume state is from step {state['step']}, but this trainer had saved one "
+                f"at step {newest[0]} (its manifest adapters/v{newest[1]:06d}, tagged under "
+                "TRAINER_STATE_KEY, says so): an older copy of trainer/ was put back")
+    return None
+
+
+def no_room(url, version, max_steps, latest, seen, state):
+    """The error for a run whose versions would pass 2^31 - 1: it names the largest number in the
+    way (to delete)."""
+    named = [(n, f"adapters/v{n:06d}/") for n in seen] + [(latest, LATEST)] * (latest is not None)
+    named += [(state["version"], "trainer/")] if state else []
+    if not named:
+        return f"--max-steps {max_steps} needs versions past 2^31 - 1, their limit: lower it"
+    number, culprit = max(named)
+    return (f"{url}/{culprit} (v{number}) leaves no room below 2^31, the versions' limit, for "
+            f"this run's versions (v{version} on, one a step up to --max-steps {max_steps}); "
+            "trainer.py never writes such a number: delete it, then start again (with "
+            "TRAINER_STATE_KEY set, the trainer passes over a LATEST or a version it did not "
+            "publish)")
 
 
 # ---- the resume state: what a bucket writer can plant is checked before it is loaded

@@ -561,6 +561,118 @@ def test_a_state_tagged_with_the_key_resumes_and_another_key_is_refused(tiny_mod
         server.server_close()
 
 
+KEYS = {"TRAINER_STATE_KEY": "the-run's-state-key", "ADAPTER_KEY": "the-run's-adapter-key"}
+
+
+def trainer_cmd(model, bucket, url, *extra):
+    return [sys.executable, "trainer.py", "--model", model, "--bucket", bucket, "--proxy", url, "--max-steps",
+            "0", "--lora-r", "8", "--lora-alpha", "16", *extra]
+
+
+def test_a_planted_latest_neither_kills_nor_blocks_the_trainer(tiny_model, tmp_path):
+    """adapters/LATEST = {"version": 2147483647} planted between two runs of the trainer. With
+    TRAINER_STATE_KEY it is named on stderr and passed over: the trainer resumes and publishes its
+    next version after its own, and that publish replaces LATEST (tagged under ADAPTER_KEY for the
+    replicas). Without the key: one error line saying what to delete, nothing published."""
+    bucket = str(tmp_path / "bucket")
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    cmd = trainer_cmd(tiny_model, bucket, f"http://127.0.0.1:{server.server_address[1]}")
+    run = lambda env: subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,  # noqa: E731
+                                     timeout=180)
+    plant = lambda: buckets.open_bucket(bucket).write("adapters/LATEST", b'{"version": 2147483647}')  # noqa
+    try:
+        r = run({**ENV, **KEYS})
+        assert r.returncode == 0 and "published v0 at step 0" in r.stdout, r.stderr[-2000:]
+        for again in (1, 2):  # each restart: passed over again, never a version it cannot exceed
+            plant()
+            r = run({**ENV, **KEYS})
+            assert r.returncode == 0 and f"published v{again} at step 0" in r.stdout, r.stderr[-2000:]
+            assert "passed over: adapters/LATEST (v2147483647)" in r.stderr, r.stderr[-2000:]
+            assert sync.latest_version(bucket, KEYS["ADAPTER_KEY"]) == again
+        plant()
+        r = run(ENV)
+        line = one_error_line(r, "trainer.py")
+        assert "adapters/LATEST (v2147483647) leaves no room below 2^31" in line and "delete it" in line, line
+        assert sync.latest_version(bucket) == 2147483647, "nothing may be published"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_replayed_old_resume_state_is_refused(tiny_model, tmp_path):
+    """trainer/ copied at step 1 and put back after step 3: its HMAC is valid, but the trainer's
+    own manifests (tagged under TRAINER_STATE_KEY) record a newer save: one error line, nothing
+    published. The newest state put back resumes."""
+    import torch
+
+    import trainer
+
+    bucket = str(tmp_path / "bucket")
+    b = buckets.open_bucket(bucket)
+    model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16)
+    optimizer = torch.optim.AdamW(trainer_state.lora_parameters(model), lr=3e-4, weight_decay=0.0)
+    saved = None
+    for step in range(4):  # v{step} published at step {step}, the state saved with it
+        state = {"step": step, "version": step, "published_step": step, "groups_consumed": 0, "args": {}}
+        trainer.publish(model, b, step, 4, tiny_model, step, state, optimizer, KEYS["TRAINER_STATE_KEY"],
+                        KEYS["ADAPTER_KEY"], saved)
+        saved = step
+        if step == 1:
+            shutil.copytree(os.path.join(bucket, "trainer"), tmp_path / "trainer-at-step-1")
+    shutil.copytree(os.path.join(bucket, "trainer"), tmp_path / "trainer-at-step-3")
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    cmd = trainer_cmd(tiny_model, bucket, f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        for copy in ("trainer-at-step-1", "trainer-at-step-3"):
+            shutil.rmtree(os.path.join(bucket, "trainer"))
+            shutil.copytree(tmp_path / copy, os.path.join(bucket, "trainer"))
+            r = subprocess.run(cmd, cwd=ROOT, env={**ENV, **KEYS}, capture_output=True, text=True, timeout=180)
+            if copy == "trainer-at-step-1":
+                line = one_error_line(r, "trainer.py")
+                assert "the resume state is from step 1, but this trainer had saved one at step 2" in line, line
+                assert "put back the newest trainer/ state" in line, line
+                assert "published" not in r.stdout and sync.latest_version(bucket) == 3
+            else:
+                assert r.returncode == 0 and r.stdout.startswith("resumed from step 3, version 3"), r.stderr[-2000:]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_replica_with_the_adapter_key_refuses_a_planted_adapter(tiny_model, bad_input, tmp_path):
+    """The trainer publishes v1 (tagged under ADAPTER_KEY), and a bucket writer without the key
+    replaces its manifest and files with its own: the replica (ADAPTER_KEY set) says once that v1
+    is refused and keeps serving the trainer's v0. (A planted LATEST: test_sync.py.)"""
+    bucket = str(tmp_path / "bucket")
+    v0 = sync.pull_adapter(bad_input["bucket"], 0, str(tmp_path / "pulled"))
+    sync.publish_adapter(bucket, v0, 0, key=KEYS["ADAPTER_KEY"])
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        log = tmp_path / "replica.log"
+        with open(log, "w") as out:
+            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT,
+                                       env={**ENV, "ADAPTER_KEY": KEYS["ADAPTER_KEY"]}, stdout=out,
+                                       stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
+            time.sleep(0.2)
+        sync.publish_adapter(bucket, v0, 1, key=KEYS["ADAPTER_KEY"])  # the trainer's v1, then the writer's
+        sync.publish_adapter(str(tmp_path / "writer"), v0, 1)
+        planted = tmp_path / "writer" / "adapters" / "v000001"
+        for name in os.listdir(planted):
+            shutil.copy(planted / name, os.path.join(bucket, "adapters", "v000001", name))
+        proxy_client.ProxyClient(url).set_version(1)
+        assert replica.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        server.shutdown()
+        server.server_close()
+    text = log.read_text()
+    assert re.search(r"adapter v1 refused \(not the trainer's\), still serving v0: .*adapter v000001's manifest has "
+                     r"no tag under ADAPTER_KEY", text), text[-3000:]
+    assert "adapter v1 loaded" not in text and text.count("refused (not the trainer's)") == 1, text[-3000:]
+
+
 @pytest.mark.parametrize("ending", ["eval", "SIGTERM"])
 def test_no_rollout_temp_folder_is_left_behind(tiny_model, bad_input, tmp_path, ending):
     """Without --cache-dir, neither an --eval ending normally nor a replica stopped by SIGTERM (docker

@@ -208,6 +208,29 @@ def test_replica_follows_the_proxys_quota(hf_engine, adapters, tmp_path):
         server.server_close()
 
 
+def test_with_the_adapter_key_a_planted_latest_is_said_once_and_the_replica_keeps_serving(
+        hf_engine, adapters, proxy_url, tmp_path, capsys):
+    """ADAPTER_KEY: LATEST rewritten without the trainer's tag, naming a complete v1. The replica
+    says once that it refuses it, keeps v0, and loads the trainer's next version once its publish
+    replaces LATEST."""
+    bucket = str(tmp_path / "bucket")
+    sync.publish_adapter(bucket, adapters[0], 0, key="k")
+    replica = rollout.Replica(replica_args(bucket, proxy_url), hf_engine, buckets.open_bucket(bucket),
+                              proxy_client.ProxyClient(proxy_url), sync.AdapterCache(str(tmp_path / "cache"), key="k"))
+    replica.refresh()
+    sync.publish_adapter(bucket, adapters[1], 1)  # a bucket writer's v1 and LATEST, untagged
+    replica.trainer_version = 1
+    for _ in range(3):
+        replica.refresh()
+    out = capsys.readouterr().out
+    assert replica.version == 0 and out.count("refused (not the trainer's), still serving v0") == 1, out
+    assert "adapters/LATEST names v1 without a valid tag under ADAPTER_KEY" in out, out
+    sync.publish_adapter(bucket, adapters[1], 2, key="k", trainer_key="t")  # the trainer's next
+    replica.trainer_version = 2
+    replica.refresh()
+    assert replica.version == 2
+
+
 def test_a_batch_larger_than_a_step_is_posted_in_slices(hf_engine, adapters, tmp_path):
     """Drop mode leases a step's groups at once, often more than groups_per_step; the proxy's body
     limit is sized for groups_per_step. A 3000-byte limit holds 2 of these groups (~730 bytes each)

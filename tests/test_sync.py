@@ -19,7 +19,7 @@ import time
 import pytest
 
 import sync
-from support import buckets
+from support import adapter_tags, buckets
 from conftest import ROOT, free_port, wait_port
 
 
@@ -634,3 +634,71 @@ def test_a_corrupt_adapter_is_reported_as_corrupt_not_as_late(tmp_path):
     with pytest.raises(buckets.BucketError, match="not complete after") as e:
         sync.pull_adapter(root, 1, str(tmp_path / "p"), timeout=0)
     assert not isinstance(e.value, buckets.CorruptAdapter)
+
+
+# ---- a bucket writer: planted versions and LATEST (ADAPTER_KEY, TRAINER_STATE_KEY)
+
+def test_with_the_adapter_key_a_planted_version_or_latest_is_refused(tmp_path):
+    """ADAPTER_KEY: the trainer tags each manifest and LATEST. A replica with the key refuses an
+    untagged version (even one it pulled before without the key), one tagged under another key,
+    a tagged manifest copied into another version's folder, and an untagged LATEST; without the
+    key it takes them, as before there were tags."""
+    root, pulled, a = str(tmp_path / "bucket"), str(tmp_path / "pulled"), str(tmp_path / "a")
+    make_adapter(a)
+    sync.publish_adapter(root, a, 0, key="k")
+    assert sync.latest_version(root, "k") == 0
+    assert os.path.isdir(sync.pull_adapter(root, 0, pulled, timeout=0, key="k"))
+    sync.publish_adapter(root, a, 1)  # a bucket writer without the key
+    sync.publish_adapter(root, a, 2, key="another")
+    v0 = os.path.join(root, "adapters", "v000000")
+    for name in os.listdir(v0):  # v0's tagged manifest and files, as v3
+        _put(root, f"adapters/v000003/{name}", open(os.path.join(v0, name), "rb").read())
+    for v, why in [(1, "has no tag"), (2, "has a wrong tag"), (3, "is v0's")]:
+        assert sync.pull_adapter(root, v, str(tmp_path / "no-key"), timeout=0)  # as before
+        for dest in (pulled, str(tmp_path / "no-key")):  # a copy pulled without the key: the same
+            with pytest.raises(adapter_tags.Untrusted,
+                               match=f"adapter v{v:06d}'s manifest {why} under ADAPTER_KEY"):
+                sync.pull_adapter(root, v, dest, timeout=0, key="k")
+        assert not os.path.exists(os.path.join(pulled, f"v{v:06d}"))
+    _put(root, "adapters/LATEST", b'{"version": 2147483647}')
+    with pytest.raises(adapter_tags.Untrusted, match="LATEST names v2147483647 without a valid tag"):
+        sync.latest_version(root, "k")
+    assert sync.latest_version(root) == 2147483647  # without the key: as before
+
+
+def test_a_trainer_publish_replaces_a_latest_or_version_it_did_not_write(tmp_path, capfd):
+    """With trainer_key (TRAINER_STATE_KEY) only the trainer's own LATEST and versions can refuse
+    its publish: LATEST = 2^31 - 1 or a complete planted version in its way is named on stderr
+    and replaced. Without it, a LATEST no version can follow is one error saying what to delete."""
+    root, a = str(tmp_path / "bucket"), str(tmp_path / "a")
+    make_adapter(a)
+    sync.publish_adapter(root, a, 0, key="k", trainer_key="t")
+    _put(root, "adapters/LATEST", b'{"version": 2147483647}')
+    with pytest.raises(buckets.BucketError, match=r"no version can follow 2147483647 .*delete "
+                                                  r".*adapters/LATEST"):
+        sync.publish_adapter(root, a, 1)
+    sync.publish_adapter(root, a, 1, key="k", trainer_key="t")
+    assert sync.latest_version(root, "k") == 1
+    assert "LATEST names 2147483647, not a version this trainer published" in capfd.readouterr().err
+    sync.publish_adapter(root, a, 2)  # a bucket writer's complete v2, and one more file
+    _put(root, "adapters/v000002/extra.bin", b"x")
+    sync.publish_adapter(root, a, 2, key="k", trainer_key="t")
+    assert "adapters/v000002/ holds a manifest this trainer did not write" in capfd.readouterr().err
+    assert "extra.bin" not in os.listdir(os.path.join(root, "adapters", "v000002"))
+    assert sync.pull_adapter(root, 2, str(tmp_path / "p"), timeout=0, key="k")
+    with pytest.raises(buckets.BucketError, match="already exists"):  # its own: immutable
+        sync.publish_adapter(root, a, 2, key="k", trainer_key="t")
+
+
+def test_pruning_keeps_the_version_just_published_whatever_is_planted_above(tmp_path):
+    """Folders planted above the trainer's numbers (one past 2^31 among them) neither push its
+    newest versions out of `keep` nor stop a publish."""
+    root, a = str(tmp_path / "bucket"), str(tmp_path / "a")
+    make_adapter(a)
+    for v in (5, 6, 7, 2147483647, 10**20):
+        _put(root, f"adapters/v{v:06d}/manifest.json", b"{}")
+    for v in range(3):
+        sync.publish_adapter(root, a, v, keep=2)
+    numbers = adapter_tags.version_numbers(buckets.open_bucket(root))
+    assert numbers == [1, 2, 5, 6, 7, 2147483647, 10**20]
+    assert sync.pull_adapter(root, 2, str(tmp_path / "p"), timeout=0)

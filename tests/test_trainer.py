@@ -160,6 +160,33 @@ def test_starting_version_never_reuses_a_number():
     assert trainer_state.starting_version(saved, 5, seen=[4, 5, 6]) == (7, True)  # v6 torn: killed before LATEST
 
 
+def test_with_the_state_key_the_trainer_follows_its_own_versions_not_a_planted_latest(tmp_path, capfd):
+    """TRAINER_STATE_KEY: the trainer's versions go on after the newest one it tagged itself (and
+    the folders right after it, publishes a kill cut short). LATEST = 2^31 - 1 and a folder
+    planted near the limit are named on stderr and passed over; its own LATEST is trusted. Without
+    the key the numbers are taken as they are, and one leaving no room is an error naming it."""
+    b, a = buckets.open_bucket(str(tmp_path / "bucket")), tmp_path / "a"
+    a.mkdir()
+    (a / "adapter_model.safetensors").write_bytes(b"weights")
+    for v in range(4):  # the trainer's v0..v3, its state saved with each
+        sync.publish_adapter(b, str(a), v, trainer_key="t", step=v, state_step=v - 1 if v else None)
+    state = {"step": 3, "version": 3, "published_step": 3}
+    assert trainer_state.starting_version(state, *trainer_state.numbers_to_follow(b, "t", state)[:2]) \
+        == (3, False)  # LATEST is its own v3: resumed as it is
+    b.write("adapters/v000004/adapter_model.safetensors", b"torn")  # a publish cut short
+    b.write("adapters/LATEST", b'{"version": 2147483647}')
+    b.write("adapters/v2147483646/manifest.json", b"{}")
+    latest, seen, own = trainer_state.numbers_to_follow(b, "t", state)
+    assert (latest, seen, sorted(own)) == (None, {0, 1, 2, 3, 4}, [0, 1, 2, 3])
+    assert trainer_state.starting_version(state, latest, seen) == (5, True)
+    assert "passed over: adapters/LATEST (v2147483647), adapters/v2147483646/" in capfd.readouterr().err
+    latest, seen, own = trainer_state.numbers_to_follow(b, None, state)  # no key: as they are
+    assert (latest, max(seen), own) == (2147483647, 2147483646, {})
+    version = trainer_state.starting_version(state, latest, seen)[0]
+    error = trainer_state.no_room(b.url, version, 100, latest, seen, state)
+    assert "adapters/LATEST (v2147483647) leaves no room below 2^31" in error and "delete it" in error
+
+
 # ----------------------------------------------------------------------------- real processes
 
 @pytest.fixture
