@@ -16,12 +16,14 @@ support/proxy_service.py (credentials, the HTTP routes), support/http_hardening.
     POST /rollouts  a replica: groups     GET  /stats     counters
     the trainer's token only:
     GET  /batch     usable groups, oldest first (long poll)
-    POST /version   its version, after each adapter it publishes
+    POST /version   its version, after each adapter it publishes (and what its model takes)
+    POST /reject    groups it dropped: back to the quota, their workers banned
     POST /done      the run is over (/quota says so, then proxy.py exits)
     no token:       GET /healthz
 
 A group more than --max-staleness versions behind the trainer is dropped and counted, never handed
-out; so is a replica's group beyond what /quota leased it (over_quota). Fields and status codes:
+out; so is a replica's group beyond what /quota leased it (over_quota). While others supply, a
+step takes at most --max-worker-share of its groups from one worker. Fields and status codes:
 docs/protocol.md; hostile peers: docs/hostile-peers.md. Tokens travel as `X-Proxy-Token: <token>`.
 
     python proxy.py --port 8000 --num-generations 8 --groups-per-step 16 --max-staleness 4  # local
@@ -44,37 +46,44 @@ from support.leases import (PROBE, WORKER_COUNTS, AddChecks, BufferRecords, Leas
 from support.cli import proxy_args
 from support.proxy_service import (ProxyHandler, ProxyServer, body_limit, check_service,
                                    replica_token, run_until_done, settle)
+# one worker's bounded share of a step, the trainer's drops: a mixin in support/worker_bounds.py
+from support.worker_bounds import MAX_WORKER_SHARE, WorkerBounds
 
 log = logging.getLogger("proxy")
 
 
 # ---- ALGO: the run's state, under one lock: 3. the buffer  4. the version handshake
 
-class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
+class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
     """The run's state: a queue of usable groups (oldest adapter first) bounded in groups and
     bytes, the trainer's version and pace, the replicas' leases and paces. accepted = delivered +
     dropped_stale + dropped_zero_variance + buffered, always. Its lease arithmetic, add()'s
     checks and its counters are mixins in support/leases.py."""
 
     def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000,
-                 lease_timeout=120.0):
+                 lease_timeout=120.0, max_worker_share=MAX_WORKER_SHARE):
         c = self.contract = dict(CONTRACT, **(contract or {}))
         check_contract(c)  # ConfigError naming a setting that cannot work
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.cond = lease_timeout, threading.Condition()
+        self.max_worker_share = max_worker_share  # of a step, per worker (support/worker_bounds)
         # the buffer, oldest first; nbytes: group_bytes() of the buffered groups
         self.groups, self.nbytes = collections.deque(), 0
         self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
         self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance",
                                      "refused_full", "returned", "rejected",
-                                     "refused_connections", "closed_idle"], 0)
+                                     "refused_connections", "closed_idle",
+                                     "dropped_by_trainer"], 0)
         self.workers = {}  # worker name -> its own WORKER_COUNTS
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
         # when it announced that version (monotonic s); lately (moving averages): seconds per
         # version, and seconds from a version's announcement to its batch complete (its wait)
         self.version_at, self.step_s, self.fill_s = None, None, 0.0
-        # groups delivered at the current trainer_version (a step may take them in parts)
-        self.taken = 0
+        # groups delivered at the current trainer_version (a step may take them in parts): in
+        # all, per worker, and their group_ids (POST /reject gives them back)
+        self.taken, self.taken_by, self.taken_ids = 0, collections.Counter(), {}
+        # the trainer's drops: worker -> why it is banned, worker -> groups the trainer dropped
+        self.banned, self.trainer_drops = {}, {}
         self.done, self.closed, self.started = False, False, time.time()
         self.leases = {}  # worker -> Lease (n 0: asking)
         self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
@@ -101,6 +110,7 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
         with self.cond:
             t = self.trainer_version
             self._not_ahead(groups, t)  # 409: a group no adapter of the trainer made
+            self._not_banned({g["worker"] for g in groups})  # 403: the trainer caught its sender
             # a group_id seen before, or twice in this POST, is a retry: counted, not kept
             new, dups, over = self._new(groups, limited)
             self.counts["received"] += len(groups)
@@ -129,10 +139,11 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
                                "forgets it)", 409, payload={"need_version": True})
             if ack is not None:  # the trainer read delivery `ack`; any other went unread: back
                 self._confirm(ack)
-            self.waiting += n  # seen by /stats while wait_for() has released the lock
-            self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed, timeout)
+            self.waiting += n  # seen by /stats while the wait has released the lock
+            # no busy wait; at most --max-worker-share of a step from one worker while another
+            # supplies (the rest wait for the next step)
+            out = self._take_within_shares(n, timeout, gone)
             self.waiting -= n
-            out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
             self._deliver(out, self.trainer_version)
             if self.taken >= self.contract["groups_per_step"] > self.taken - len(out):  # complete
                 self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2
@@ -150,15 +161,18 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
     #   d. rollout.Replica.step sees it, Replica.refresh reads LATEST, pulls v and hot-loads it
     #   e. its next /quota says it holds v: _quota leases it the groups of the steps v can serve
 
-    def set_version(self, version):
-        """The trainer is now at `version`: drop the groups that became stale."""
+    def set_version(self, version, limits=None):
+        """The trainer is now at `version`: drop the groups that became stale. `limits`: what its
+        model takes (vocab_size, context_length), served in GET /config and checked in POST
+        /rollouts from now on."""
         with self.cond:
+            self.contract.update(limits or {})
             if self.trainer_version is not None and version < self.trainer_version:
                 raise ApiError(f"version {version} is lower than this proxy's trainer_version "
                                f"{self.trainer_version} (a trainer resumed from older state, or "
                                "another run's trainer? restart the proxy)", 409)
-            # counted per trainer version
-            self.taken = self.taken if version == self.trainer_version else 0
+            if version != self.trainer_version:  # counted per trainer version
+                self.taken, self.taken_by, self.taken_ids = 0, collections.Counter(), {}
             if self.trainer_version is None or version > self.trainer_version:  # the trainer's pace
                 now, t = time.monotonic(), self.trainer_version
                 if t is not None:
@@ -174,6 +188,7 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end
         of the run."""
         with self.cond:
+            self._not_banned([worker])  # 403: the trainer caught it (reject)
             self._bound_leases(worker)  # 429 when MAX_WORKERS other names hold one
             # A replica asks again once its last groups are out: its lease ends, but it asks.
             t0 = self.trainer_version
@@ -227,7 +242,12 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
         if lack <= 0:
             return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
                        f"buffered, {leased} leased to other replicas)")
-        return self._in_time(worker, version, self._lease_size(worker, lack, most, now), now)
+        # while others supply, one worker makes at most its share of each step (_cap)
+        if (mine := self._allowance(worker, horizon - t + 1, now)) <= 0:
+            return 0, (f"this worker supplied its share of the steps up to v{horizon} "
+                       f"(--max-worker-share {self.max_worker_share:g}): the others make the rest")
+        n = self._lease_size(worker, min(lack, mine), most, now)
+        return self._in_time(worker, version, n, now)
 
     # ---- the buffer's order and its staleness; the end of the run. The lease arithmetic
     # (_coming, _ahead, _lease_size, _in_time, _expiry), add()'s checks and the counters: the
@@ -249,7 +269,9 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
     def _deliver(self, groups, version, sign=1):  # sign -1: given back
         self.nbytes -= sign * sum(map(group_bytes, groups))
         self._count("delivered", groups, sign)
-        self.taken += sign * len(groups) if version == self.trainer_version else 0
+        if version == self.trainer_version:  # this step's, in all and per worker
+            self.taken += sign * len(groups)
+            self._taken_from(groups, sign)
         for g in groups:
             self.staleness[version - g["policy_version"]] += sign
         self.cond.notify_all()  # a replica waiting for a quota may now have one
@@ -274,14 +296,14 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords):
 
 def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None,
           token=None, rollout_token=None, request_timeout=30.0, max_connections=256,
-          lease_timeout=120.0, log_every=60.0, **contract):
+          lease_timeout=120.0, log_every=60.0, max_worker_share=MAX_WORKER_SHARE, **contract):
     """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1].
     **contract: CONTRACT's keys (GET /config serves them)"""
     token, rollout_token = token or None, rollout_token or None
     check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
-                  request_timeout, max_connections)  # ConfigError: what to change
+                  request_timeout, max_connections, max_worker_share)  # ConfigError: what to change
     buffer = RolloutBuffer(settle(contract), max_groups, int(max_buffer_mb * 2**20),
-                           lease_timeout=lease_timeout)
+                           lease_timeout=lease_timeout, max_worker_share=max_worker_share)
     max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
     # the state of this server bound to its handler class: no module globals
     handler = type("BoundProxyHandler", (ProxyHandler,), dict(

@@ -46,7 +46,7 @@ from support.contract import CONTRACT_FLAGS, make_completion, make_group
 from support.engines import adapter_rank, make_engine, pick_engine
 from support.evaluate import run_eval
 from support.proxy_client import ProxyClient, ProxyError
-from support.tasks import TaskError, chat_prompt, load_task, reward, shard_order
+from support.tasks import TaskError, chat_prompt, completion_text, load_task, reward, shard_order
 
 # Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The
 # driver's way runs cuInit here; vLLM then still forks its EngineCore (it spawns only once
@@ -150,20 +150,22 @@ class Replica:
         samples = self.engine.generate([self.prompts[i][1] for i in idx], args.num_generations,
                                        args.max_completion_length, args.temperature)  # n lists of G
         gen_s = time.time() - t0
-        # The group record (GROUP, support/contract.py). All-equal rewards are sent too: the
-        # proxy's --zero-variance decides what to do with them.
-        groups = []
+        # The group record (GROUP, support/contract.py), naming its item: the trainer recomputes
+        # each reward from it and the decoded ids (support/reward_check.py), so they are scored
+        # here the same way. All-equal rewards are sent too: the proxy's --zero-variance decides.
+        groups, tok = [], self.engine.tokenizer
         for i, group_samples in zip(idx, samples):
             text, ids = self.prompts[i]
             completions = [make_completion(ids=s.ids, logprobs=s.logprobs, text=s.text,
-                                           reward=reward(args.task, s.text, self.items[i]),
+                                           reward=reward(args.task, completion_text(tok, s.ids),
+                                                         self.items[i]),
                                            finish_reason=s.finish_reason)
                            for s in group_samples]
             groups.append(make_group(group_id=uuid.uuid4().hex, policy_version=self.version,
                                      worker=self.worker, prompt=text, prompt_ids=ids,
                                      temperature=args.temperature,
                                      max_completion_length=args.max_completion_length,
-                                     completions=completions))
+                                     completions=completions, item=i))
         # POSTs of at most groups_per_step groups: what the proxy's body limit is sized for
         k = self.args.post_groups
         replies = [self.client.post_rollouts(groups[i:i + k]) for i in range(0, len(groups), k)]

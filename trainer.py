@@ -52,8 +52,11 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    `--delta none` turns the cap off, as TRL's default.
 9. Groups the trainer cannot use (group_problem: no prompt or completion tokens, a token id
    outside the vocabulary, a log-prob per id missing, a reward outside the proxy's
-   reward_range, longer than the model's context) are dropped and reported (stderr, and the
-   step's `groups_dropped`), and more groups are asked for: a step still has groups_per_step.
+   reward_range, longer than the model's context) are dropped and reported (stderr, the step's
+   `groups_dropped`, and the proxy's POST /reject, which gives them back to the step's quota and
+   bans their worker), and more groups are asked for: a step still has groups_per_step.
+10. --task arith|gsm8k|math: each group's prompt and rewards are recomputed from the item it
+   names (support/reward_check.py); a group that differs is dropped as in 9 (TRL scores its own).
 """
 
 import math
@@ -68,8 +71,9 @@ import sync
 from support.buckets import BucketError, open_bucket, save_trainer_state
 from support.cli import trainer_args
 from support.contract import CONTRACT_FLAGS  # the settings read from the proxy in train()
-from support.group_checks import Waiting, usable  # what a hostile replica's group cannot do
+from support.group_checks import Waiting, keep_usable  # what a hostile replica cannot do
 from support.proxy_client import ProxyClient, ProxyError
+from support.reward_check import TaskRewards  # a group's rewards, recomputed from its task
 from support.shared_prompt import by_group, make_microbatches, plain_logprobs_fast
 from support.step_record import StepStats, log_step, name_absurd  # metrics, the log line
 from support.trainer_state import TrainerError, lora_parameters, start_run, write_state
@@ -80,17 +84,19 @@ from support.trainer_state import TrainerError, lora_parameters, start_run, writ
 
 # ---- ALGO, 1. take a batch: groups from the proxy, one record per completion
 
-def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None, **limits):
+def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None, rewards=None,
+                  **limits):
     """Long-poll the proxy until n usable groups are in hand (at most max_staleness versions old;
     with --zero-variance drop, unequal rewards). A group the trainer cannot use (group_problem;
-    limits: its num_generations, context, reward_range) is dropped, named on stderr, counted in
-    `dropped`."""
+    limits: its num_generations, context, reward_range) or whose rewards are not its task's
+    (`rewards`: TaskRewards) is dropped, named on stderr, counted in `dropped`, and reported to
+    the proxy: back to the step's quota, its worker banned."""
     groups, waiting = [], Waiting(client, wait_timeout, bucket_url)
     while len(groups) < n:
         waiting.check(len(groups), n)  # a line a minute; TrainerError after wait_timeout
         # a long poll: the proxy answers as soon as it has them, or after the timeout
         answer = client.get_batch(n - len(groups), timeout=min(30.0, wait_timeout or 30.0))
-        groups += [g for g in answer["groups"] if usable(g, vocab_size, dropped, **limits)]
+        groups += keep_usable(client, answer["groups"], vocab_size, dropped, rewards, **limits)
     return groups
 
 
@@ -235,6 +241,10 @@ def train(args):
     groups_consumed = run.groups_consumed
     # versions kept in the bucket: every one a replica may still be using
     keep = args.max_staleness + 2
+    # what the model takes, announced with every version: the proxy refuses other groups (400)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    client.set_limits(vocab_size=vocab_size, context_length=run.limits["context"])
+    task_rewards = TaskRewards(args.task, args.data, args.model)  # arith, gsm8k, math: checked
 
     def publish_and_save(version, save):
         state = {"step": step, "version": version, "published_step": step,
@@ -257,9 +267,9 @@ def train(args):
     while step < args.max_steps:
         t0 = time.time()
         # 1. take a batch: groups_per_step groups (a long poll), one record per completion
-        dropped = {}  # why -> groups dropped while gathering this step's (group_problem)
+        dropped = {}  # why -> groups dropped while gathering this step's (group_problem, rewards)
         groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
-                               model.get_input_embeddings().num_embeddings, dropped, **run.limits)
+                               vocab_size, dropped, task_rewards, **run.limits)
         groups_consumed += len(groups)
         t1 = time.time()
         seqs = flatten_groups(groups, args.max_completion_length)
@@ -295,7 +305,7 @@ def train(args):
         # the step's record: metrics/ in the bucket, --report-to, one line on stdout
         log_step(run, args, groups, seqs, stats, step=step, version=version, grad_norm=grad_norm,
                  finite=finite, dropped=dropped, absurd=absurd, micro_batches=len(mbs),
-                 times=(t0, t1, time.time()))
+                 times=(t0, t1, time.time()), reward_check_s=task_rewards.lap())
         # 5. publish: one version per optimizer step (and the resume state every --save-every)
         version += 1
         publish_and_save(version, save=step % args.save_every == 0 or step == args.max_steps)

@@ -9,6 +9,7 @@ import os
 import sys
 
 from support.contract import CONTRACT, CONTRACT_HELP, OLD_NAMES
+from support.worker_bounds import MAX_WORKER_SHARE
 
 DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
 
@@ -73,6 +74,11 @@ def trainer_args(argv=None, description=None):
       help="seconds to retry a bucket that worked before (an outage)")
     a("--report-to", default="none", choices=["none", "trackio", "wandb"],
       help="also send each step's metrics there")
+    a("--task", choices=["gsm8k", "math", "arith", "toy"],
+      help="the replicas' --task: each group's rewards are recomputed from it and a group whose "
+           "rewards differ is dropped, its worker banned (arith, gsm8k, math; default: none, "
+           "rewards unchecked)")
+    a("--data", help="with --task gsm8k or math: the replicas' --data (default: the hub)")
     args = p.parse_args(argv)
     if too_small := [f for f in ("save_every", "micro_batch_tokens") if getattr(args, f) < 1]:
         sys.exit(f"trainer.py: error: --{too_small[0].replace('_', '-')} must be >= 1")
@@ -182,6 +188,9 @@ def proxy_args(argv=None):
     a("--lease-timeout", type=float, default=120.0,
       help="most seconds a replica's lease counts as coming: 1.5x its measured pace (>= 0.5 s) "
            "once it delivered, this until then")
+    a("--max-worker-share", type=float, default=MAX_WORKER_SHARE,
+      help="while other replicas supply groups, the most of a step's groups one worker may "
+           f"supply, rounded up (default {MAX_WORKER_SHARE}; 1: no bound; docs/hostile-peers.md)")
     a("--linger", type=float, default=60.0,
       help="after /done, exit once replicas were told or after this many idle s")
     a("--stats-file", help="write the final /stats there (JSON) when the proxy stops")

@@ -73,6 +73,10 @@ GROUP = {"group_id": NAME,  # unique: a group_id seen before is a retry
          "max_completion_length": (lambda v: INDEX[0](v) and v > 0, "an integer > 0"),
          "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
                          f"a list of 1 to {MAX_COMPLETIONS} completions")}  # G of COMPLETION
+# optional fields (a replica of an older version sends none): "item", the index of the prompt's
+# item in the task's train split (support/tasks.py's load_task), so that the trainer can check
+# the prompt and recompute every reward from the task (support/reward_check.py)
+GROUP_OPTIONAL = {"item": INDEX}
 COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the first EOS
               "logprobs": (lambda v: type(v) is list, "a list of numbers"),  # one per id, sampler's
               "reward": FINITE, "text": TEXT,
@@ -81,11 +85,13 @@ COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the firs
 
 
 def make_group(*, group_id, policy_version, worker, prompt, prompt_ids, temperature,
-               max_completion_length, completions):
-    """A group record with exactly GROUP's fields: what a replica POSTs (rollout.Replica.batch)."""
-    return {"group_id": group_id, "policy_version": policy_version, "worker": worker,
-            "prompt": prompt, "prompt_ids": list(prompt_ids), "temperature": temperature,
-            "max_completion_length": max_completion_length, "completions": completions}
+               max_completion_length, completions, item=None):
+    """A group record with exactly GROUP's fields, and GROUP_OPTIONAL's "item" when given: what a
+    replica POSTs (rollout.Replica.batch)."""
+    g = {"group_id": group_id, "policy_version": policy_version, "worker": worker,
+         "prompt": prompt, "prompt_ids": list(prompt_ids), "temperature": temperature,
+         "max_completion_length": max_completion_length, "completions": completions}
+    return g if item is None else {**g, "item": item}
 
 
 def make_completion(*, ids, logprobs, reward, text, finish_reason):
@@ -112,7 +118,7 @@ def validate_group(g, contract, where="group"):
     run's. The length may come under its old name, max_new_tokens, beside or instead of
     max_completion_length: each checked under the name it came as."""
     check(type(g) is dict, where, "must be a JSON object")
-    schema = dict(GROUP)
+    schema = {**GROUP, **{k: v for k, v in GROUP_OPTIONAL.items() if k in g}}
     if "max_new_tokens" in g:
         schema["max_new_tokens"] = GROUP["max_completion_length"]
         if "max_completion_length" not in g:
@@ -148,6 +154,24 @@ def validate_group(g, contract, where="group"):
         check(len(lps) == len(ids), f"{w}.logprobs",
               f"{len(lps)} log-probs for {len(ids)} ids (one per token)")
         check(len(ids) <= g[length], f"{w}.ids", f"{len(ids)} tokens exceed {length} {g[length]}")
+    check_model_limits(g, contract, where)
+
+
+def check_model_limits(g, contract, where):
+    """What the trainer's model takes, once the trainer announced it (POST /version's vocab_size
+    and context_length, then in GET /config): every token id below vocab_size, and prompt +
+    completion within context_length. The trainer would drop such a group after the proxy had
+    counted it as taken."""
+    vocab, context = contract.get("vocab_size"), contract.get("context_length")
+    hint = "(announced by the trainer): is this replica running the trainer's --model?"
+    for field, ids in [("prompt_ids", g["prompt_ids"])] + [
+            (f"completions[{j}].ids", c["ids"]) for j, c in enumerate(g["completions"])]:
+        check(vocab is None or max(ids) < vocab, f"{where}.{field}",
+              f"token id {max(ids)} is outside the trainer's vocabulary of {vocab} ids {hint}")
+    longest = len(g["prompt_ids"]) + max(len(c["ids"]) for c in g["completions"])
+    check(context is None or longest <= context, f"{where}.completions",
+          f"{longest} tokens of prompt + completion exceed the trainer's context_length {context} "
+          f"{hint}")
 
 
 def validate_rollouts(payload, max_groups, contract):

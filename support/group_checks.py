@@ -1,6 +1,7 @@
 """What the trainer checks in the groups a replica sent before they reach the step: a hostile
-replica's group must not crash, steer or poison the learner (group_problem, usable); and how long
-it waits for them (Waiting).
+replica's group must not crash, steer or poison the learner (group_problem), nor lie about
+its rewards (support/reward_check.py); a dropped group is reported to the proxy (keep_usable); and
+how long the trainer waits for groups (Waiting).
 
 This module imports no role file.
 """
@@ -9,6 +10,7 @@ import math
 import sys
 import time
 
+from support.proxy_client import ProxyError
 from support.trainer_state import TrainerError
 
 
@@ -35,17 +37,38 @@ class Waiting:
             self.last_log = time.time()
 
 
-def usable(g, vocab_size, dropped=None, **limits):
-    """True when the trainer can use group g (group_problem); else the group is named on stderr,
-    counted in `dropped` (why -> count), and False."""
-    if not (problem := group_problem(g, vocab_size, **limits)):
-        return True
+def keep_usable(client, groups, vocab_size, dropped=None, rewards=None, **limits):
+    """The groups the trainer can use (group_problem) whose rewards are the task's (`rewards`: a
+    reward_check.TaskRewards, or None). Each other one is named on stderr, counted in `dropped`
+    and reported to the proxy (POST /reject), which gives it back to the step's quota and bans
+    its worker: a drop never leaves the trainer waiting on a group nobody makes."""
+    kept, reports = [], []
+    for g in groups:
+        problem = group_problem(g, vocab_size, **limits) or (rewards and rewards.problem(g))
+        if not problem:
+            kept.append(g)
+            continue
+        named(g, problem, dropped)
+        gid, worker = (str(g.get(k) if isinstance(g, dict) else "?")[:256] or "?"
+                       for k in ("group_id", "worker"))
+        reports.append({"group_id": gid, "worker": worker, "kind": problem[0],
+                        "why": problem[1]})
+    try:
+        if reports:
+            client.reject(reports)
+    except ProxyError as e:  # an older proxy.py: the step may wait for a lease nobody holds
+        print(f"could not report {len(reports)} dropped groups to the proxy: {e}",
+              file=sys.stderr)
+    return kept
+
+
+def named(g, problem, dropped):
+    """A dropped group: named on stderr, counted in `dropped` (kind -> count)."""
     if dropped is not None:
         dropped[problem[0]] = dropped.get(problem[0], 0) + 1
     gid, worker = (printable(g.get(k) if isinstance(g, dict) else "?")
                    for k in ("group_id", "worker"))
     print(f"dropped group {gid} from {worker}: {problem[1]}", file=sys.stderr)
-    return False
 
 
 def group_problem(g, vocab_size, num_generations=None, context=None, reward_range=None):

@@ -74,7 +74,9 @@ class LeaseSizing:
         v + S, the last that can use them, so a slow replica's work is not dropped as stale; but
         for a PROBE now and then (_probe_gap), in case it got faster."""
         S, t = self.contract["max_staleness"], self.trainer_version
-        if self._overtaken(worker, now) and self.step_s and worker in self.pace:
+        # not for a replica whose groups the step needs (the others' shares cannot fill it)
+        if self._overtaken(worker, now) and self.step_s and worker in self.pace and \
+                not self._needed(worker, now):
             # the trainer completes its batch at v + S about then (at its pace since set_version)
             left = self.version_at + (version + S - t) * self.step_s + self.fill_s - now
             if (n := min(n, int(left / (LEASE_SLACK * self.pace[worker])))) < 1:  # even if late
@@ -130,7 +132,9 @@ class LeaseSizing:
         waits for no lease in particular: the fastest replica takes a whole step (as a batching
         engine likes it), the others the part their speed makes in the same time, so a slow one
         holds back little. Unmeasured: one group to measure itself on once others are measured;
-        equal shares before."""
+        equal shares before. However fast the fastest (a credential that posts made-up groups the
+        moment it is leased), each of the others keeps a floor: its part of the 1 -
+        max_worker_share of a step no worker may supply alone (support/worker_bounds.py)."""
         live = {w for w, lease in self.leases.items() if lease.until > now} | ({asking} - {None})
         speed = {w: 1 / max(self.pace[w], 1e-6) for w in live if w in self.pace}
         if not speed:
@@ -140,7 +144,8 @@ class LeaseSizing:
             whole = sum(speed.values()) * (1 + unmeasured / len(speed))  # unmeasured: the mean
         else:
             whole = max(speed.values())
-        return {w: speed.get(w, 0.0) / whole for w in live}
+        floor = (1 - self.max_worker_share) / (len(live) - 1) if len(live) > 1 else 0.0
+        return {w: max(floor, speed[w] / whole) if w in speed else 0.0 for w in live}
 
     def _expiry(self, worker, n, now):
         """When a lease of n groups stops counting as coming: LEASE_SLACK x the time the replica's
@@ -305,6 +310,13 @@ class BufferRecords:
                     "max_groups": self.max_groups, "contract": self.contract,
                     "staleness": staleness,
                     "workers": {k: dict(v) for k, v in self.workers.items()},
+                    # per worker: groups delivered to the trainer and not dropped by it (the
+                    # groups trained on), what a step may take from it, the trainer's drops
+                    "trained": {w: c["delivered"] - self.trainer_drops.get(w, 0)
+                                for w, c in self.workers.items() if c["delivered"]},
+                    "max_worker_share": self.max_worker_share,
+                    "caps": {w: self._cap(w, now) for w in self._suppliers(now)},
+                    "trainer_drops": dict(self.trainer_drops), "banned": dict(self.banned),
                     "uptime_s": round(time.time() - self.started, 1)}
 
     def give_back(self, groups, version, delivery=None):

@@ -48,8 +48,9 @@ class ProxyClient:
 
         self._requests, self.url, self.max_wait = requests, url.rstrip("/"), max_wait
         self.session = requests.Session()
-        # the last version this client announced: announced again to a restarted proxy
-        self.version = None
+        # the last version this client announced: announced again to a restarted proxy; and what
+        # the trainer's model takes, announced with every version (set_limits)
+        self.version, self.limits = None, {}
         # the last GET /batch answer read, acknowledged by the next call (0: none yet)
         self.delivery = 0
         if token := token or os.environ.get("PROXY_TOKEN"):
@@ -101,9 +102,27 @@ class ProxyClient:
         return self._call("GET", "/batch", params=params, wait=timeout)
 
     def set_version(self, version):
-        answer = self._call("POST", "/version", {"version": version})
+        try:
+            answer = self._call("POST", "/version", {"version": version, **self.limits})
+        except ProxyError as e:  # an older proxy.py takes no limits: announce the version alone
+            if not (self.limits and "unknown fields" in str(e)):
+                raise
+            print(f"proxy.py client: {self.url} takes no vocab_size / context_length (an older "
+                  "proxy.py): it cannot refuse groups the model cannot take", file=sys.stderr)
+            self.limits = {}
+            answer = self._call("POST", "/version", {"version": version})
         self.version = version
         return answer
+
+    def set_limits(self, **limits):
+        """What the trainer's model takes (vocab_size, context_length; None: unknown), sent with
+        every POST /version: the proxy refuses other groups (400) from then on."""
+        self.limits = {k: v for k, v in limits.items() if v is not None}
+
+    def reject(self, reports):
+        """POST /reject: the groups the trainer dropped ([{group_id, worker, kind, why}]), given
+        back to the step's quota, their workers banned."""
+        return self._call("POST", "/reject", {"groups": reports})
 
     def done(self):
         return self._call("POST", "/done", {})

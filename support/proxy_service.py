@@ -22,7 +22,7 @@ import time
 
 # the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
 from support import http_hardening
-from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, NAME, OLD_NAMES,
+from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, NAME, OLD_NAMES, TEXT,
                               ConfigError, check_fields, validate_rollouts)
 from support.http_hardening import ApiError, check, parse_query, query_int, query_seconds
 from support.proxy_client import TOKEN_HEADER
@@ -30,7 +30,8 @@ from support.proxy_client import TOKEN_HEADER
 log = logging.getLogger("proxy")
 
 ROUTES = {"/rollouts": "POST", "/quota": "GET", "/config": "GET", "/stats": "GET",
-          "/healthz": "GET", "/batch": "GET", "/version": "POST", "/done": "POST"}
+          "/healthz": "GET", "/batch": "GET", "/version": "POST", "/done": "POST",
+          "/reject": "POST"}
 # what the replicas' token opens
 REPLICA_PATHS = {"/rollouts", "/quota", "/config", "/stats", "/healthz"}
 
@@ -148,11 +149,33 @@ class ProxyHandler(http_hardening.Handler):
             version = query_int(q, "version", 0, MAX_INT - 1)
             most = query_int(q, "max", 1, MAX_INT - 1)
             return b.quota(q["worker"], version, most, query_seconds(q))
-        if path in ("/version", "/done"):
+        if path == "/version":  # and, from a trainer of this version, what its model takes
             body = self.read_json()
-            check_fields(body, "body", {"version": INDEX} if path == "/version" else {})
-            return b.set_version(body["version"]) if path == "/version" else b.finish()
+            check_fields(body, "body", {"version": INDEX, **{k: v for k, v in LIMITS.items()
+                                                               if k in body}})
+            return b.set_version(body.pop("version"), body)
+        if path == "/reject":
+            return b.reject(read_reports(self.read_json(), b.max_groups))
+        if path == "/done":
+            check_fields(self.read_json(), "body", {})
+            return b.finish()
         return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
+
+
+# POST /version's optional fields: what the trainer's model takes (checked in POST /rollouts)
+POSITIVE = (lambda v: INDEX[0](v) and v > 0, f"an integer in [1, {MAX_INT})")
+LIMITS = {"vocab_size": POSITIVE, "context_length": POSITIVE}
+# POST /reject's record of one group the trainer dropped
+REPORT = {"group_id": NAME, "worker": NAME, "kind": NAME, "why": TEXT}
+
+
+def read_reports(body, max_groups):
+    """POST /reject's body, {"groups": [REPORT, ...]}, checked field by field."""
+    check_fields(body, "body", {"groups": (lambda v: type(v) is list and 0 < len(v) <= max_groups,
+                                           f"a list of 1 to {max_groups} reports")})
+    for i, r in enumerate(body["groups"]):
+        check_fields(r, f"groups[{i}]", REPORT)
+    return body["groups"]
 
 
 class ProxyServer(http_hardening.Server):
@@ -205,10 +228,13 @@ def settle(contract):
 
 
 def check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
-                  request_timeout, max_connections):
+                  request_timeout, max_connections, max_worker_share=1.0):
     """Raise ConfigError for serve() settings that cannot work or are unsafe: no token off
-    loopback, a replicas' token without (or equal to) the trainer's, a limit <= 0, a setting the
-    contract does not have."""
+    loopback, a replicas' token without (or equal to) the trainer's, a limit <= 0, a worker
+    share outside (0, 1], a setting the contract does not have."""
+    if not 0 < max_worker_share <= 1:
+        raise ConfigError(f"--max-worker-share {max_worker_share:g} cannot work: it is the most "
+                          "of a step one worker may supply, in (0, 1] (1: no bound)")
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         raise ConfigError(f"refusing to listen on {host!r} without a token: set PROXY_TOKEN or "
                           "--token (or listen on 127.0.0.1)")

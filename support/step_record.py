@@ -4,6 +4,7 @@ log line, metrics/step-S.json in the bucket, --report-to. Not needed to follow t
 This module imports no role file.
 """
 
+import collections
 import sys
 import time
 
@@ -84,9 +85,10 @@ def name_absurd(step, groups, absurd, delta):
 
 
 def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite, dropped, absurd,
-             micro_batches, times):
+             micro_batches, times, reward_check_s=0.0):
     """The step's record: metrics/step-S.json in the bucket, --report-to, one line on stdout.
-    times: (start, batch in hand, step done) from time.time()."""
+    times: (start, batch in hand, step done) from time.time(); reward_check_s: the seconds the
+    reward check (support/reward_check.py) took while gathering."""
     t0, t1, t2 = times
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,)
     stale = [version - g["policy_version"] for g in groups]
@@ -101,6 +103,9 @@ def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite
            "clipped_ratio": cut / len(seqs),
            "grad_norm": grad_norm, "skipped_non_finite": not finite,
            "groups_dropped": dropped, "groups_absurd_ratio": len(absurd),
+           # how many of the groups trained on came from each worker (--max-worker-share)
+           "groups_by_worker": dict(collections.Counter(printable(g["worker"]) for g in groups)),
+           "reward_check_s": reward_check_s,
            **stats, "learning_rate": run.optimizer.param_groups[0]["lr"],
            "micro_batches": micro_batches,
            "wait_s": round(t1 - t0, 3), "compute_s": round(t2 - t1, 3),

@@ -235,3 +235,9 @@ def chat_prompt(tokenizer, question):
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                              add_generation_prompt=True, tokenize=False)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def completion_text(tokenizer, ids):
+    """What a completion's reward is computed from, on the replica and again in the trainer's
+    check (support/reward_check.py): its sampled ids decoded, special tokens (the EOS) left out."""
+    return tokenizer.decode(ids, skip_special_tokens=True)

@@ -1441,3 +1441,120 @@ def test_equal_replicas_whose_whole_step_leases_outlast_the_trainers_step_work_o
     # again: ~0.45 s a step; two steps ahead, the trainer's own 0.3 s
     assert per_step < 0.38, (per_step, s["replicas"])
     assert s["dropped_stale"] == 0 and s["over_quota"] == 0, s
+
+
+# ---- one credential's influence, bounded (support/worker_bounds.py): issue 39, items 1 and 2
+
+def test_an_instant_worker_supplies_at_most_its_share_of_each_step(proxy):
+    """A bound credential that posts the moment it is leased is measured as the fastest replica
+    (share 1.0): with --max-worker-share 0.5 a step still takes at most 2 of its 4 groups from
+    it once the honest replica is measured, and the honest one's share of a lease is never below
+    the floor (1 - 0.5); /stats counts the groups each worker supplied to the trainer."""
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=2, groups_per_step=4,
+                   max_worker_share=0.5)
+    trainer, stop = ProxyClient(url, token=TOKEN), threading.Event()
+    trainer.set_version(0)
+    threading.Thread(target=replica_loop, daemon=True, args=(
+        url, "honest", 0.1, stop, replica_token(REPLICA_TOKEN, "honest"))).start()
+    threading.Thread(target=replica_loop, daemon=True, args=(
+        url, "liar", 0.0, stop, replica_token(REPLICA_TOKEN, "liar"))).start()
+    per_step = []
+    try:
+        for step in range(12):
+            batch = trainer.get_batch(4, timeout=30)["groups"]
+            assert len(batch) == 4
+            per_step.append(collections.Counter(g["worker"] for g in batch))
+            time.sleep(0.1)  # the trainer's own step
+            trainer.set_version(step + 1)
+        s = trainer.stats()
+    finally:
+        stop.set()
+    assert s["replicas"]["liar"]["share"] == 1.0, s["replicas"]  # it is the fastest, by far
+    assert s["replicas"]["honest"]["share"] >= 0.5, s["replicas"]  # the floor: 1 - 0.5
+    # the first steps may come before the honest replica delivered once (nobody is waited for
+    # until measured); from then on, at most half of each step
+    assert all(c["liar"] <= 2 for c in per_step[2:]), per_step
+    liar = sum(c["liar"] for c in per_step)
+    assert liar <= 2 * 10 + 4 * 2, per_step
+    assert s["trained"] == {"honest": 48 - liar, "liar": liar} and s["max_worker_share"] == 0.5
+
+
+def test_a_group_the_trainer_drops_goes_back_to_the_quota_and_its_worker_is_banned(proxy):
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=2)
+    trainer = ProxyClient(url, token=TOKEN)
+    liar, honest = replica_client(url, "liar"), replica_client(url, "honest")
+    trainer.set_version(0)
+    assert liar.quota("liar", 0, 100, timeout=0)["groups"] == 2  # alone: the whole step
+    liar.post_rollouts(groups_for("liar", 0, 2, "lie"))
+    assert honest.quota("honest", 0, 100, timeout=0)["groups"] == 0  # the step is in
+    batch = trainer.get_batch(2, timeout=0)["groups"]
+    assert honest.quota("honest", 0, 100, timeout=0)["groups"] == 0  # taken: nothing is lacking
+    reports = [{"group_id": g["group_id"], "worker": g["worker"], "kind": "reward_mismatch",
+                "why": "completion 0 claims reward 1; its ids score 0"} for g in batch]
+    with pytest.raises(ProxyError, match="HTTP 403"):  # the trainer's endpoint
+        honest.reject(reports)
+    assert trainer.reject(reports) == {"given_back": 2, "banned": ["liar"]}
+    # the step lacks 2 again: leased to a replica at once, not to the banned worker
+    assert honest.quota("honest", 0, 100, timeout=0)["groups"] == 2
+    for call in (lambda: liar.quota("liar", 0, 100, timeout=0),
+                 lambda: liar.post_rollouts(groups_for("liar", 0, 1, "more"))):
+        with pytest.raises(ProxyError, match="HTTP 403: worker 'liar' is banned from this run: the "
+                                             "trainer dropped its group 'lie-liar-0': reward"):
+            call()
+    honest.post_rollouts(groups_for("honest", 0, 2, "ok"))
+    assert [g["worker"] for g in trainer.get_batch(2, timeout=0)["groups"]] == ["honest"] * 2
+    s = trainer.stats()
+    assert (s["dropped_by_trainer"], s["trainer_drops"], list(s["banned"])) == (2, {"liar": 2},
+                                                                               ["liar"])
+    assert s["trained"] == {"honest": 2, "liar": 0} and identity_holds(s)
+
+
+def test_a_banned_workers_buffered_groups_are_still_handed_out_to_be_checked(proxy):
+    url, _ = proxy(max_staleness=2, groups_per_step=2)
+    trainer = ProxyClient(url)
+    trainer.set_version(0)
+    trainer.post_rollouts(groups_for("liar", 0, 3, "a") + groups_for("honest", 0, 1, "b"))
+    first = trainer.get_batch(1, timeout=0)["groups"]
+    trainer.reject([{"group_id": first[0]["group_id"], "worker": "liar", "kind": "prompt_mismatch",
+                     "why": "not the item's prompt"}])
+    assert len(trainer.get_batch(4, timeout=0)["groups"]) == 3  # the trainer checks each one
+    s = trainer.stats()
+    assert (s["buffered"], s["delivered"], list(s["banned"])) == (0, 4, ["liar"])
+    assert identity_holds(s) and s["trained"] == {"liar": 2, "honest": 1}
+    with pytest.raises(ProxyError, match="HTTP 400: groups\\[0\\].kind: missing"):
+        trainer.reject([{"group_id": "x", "worker": "w", "why": ""}])
+
+
+def test_the_trainer_announces_what_its_model_takes_and_the_proxy_refuses_other_groups(proxy):
+    """vocab_size and context_length ride on POST /version (a trainer of this version sends
+    them); from then on /config serves them and POST /rollouts refuses a group the trainer
+    would drop, with 400 naming the id. An older trainer's POST /version (no limits) still
+    works, and keeps what was announced."""
+    url, _ = proxy(max_new_tokens=8)
+    trainer, replica = ProxyClient(url), ProxyClient(url)
+
+    def group(gid, **kw):
+        return make_group(gid, max_new_tokens=8, **kw)
+    assert "vocab_size" not in replica.contract()
+    assert post(url, group("early", prompt_ids=[100000])).status_code == 200  # no limits yet
+    trainer.set_limits(vocab_size=101, context_length=8)
+    trainer.set_version(0)
+    assert {k: replica.contract()[k] for k in ("vocab_size", "context_length")} == {
+        "vocab_size": 101, "context_length": 8}
+    r = post(url, group("oov", prompt_ids=[5, 100000]))
+    assert r.status_code == 400 and r.json()["error"] == (
+        "groups[0].prompt_ids: token id 100000 is outside the trainer's vocabulary of 101 ids "
+        "(announced by the trainer): is this replica running the trainer's --model?")
+    g = group("oov2")
+    g["completions"][1]["ids"][0] = 101
+    assert "groups[0].completions[1].ids: token id 101 is outside" in post(url, g).json()["error"]
+    r = post(url, group("long", tokens=6))  # 3 prompt + 6 completion ids > 8
+    assert r.status_code == 400 and "9 tokens of prompt + completion exceed the trainer's " \
+                                    "context_length 8" in r.json()["error"]
+    assert post(url, group("fits", tokens=5)).status_code == 200
+    assert requests.post(url + "/version", json={"version": 1}).status_code == 200  # an old one
+    assert replica.contract()["vocab_size"] == 101
+    r = requests.post(url + "/version", json={"version": 2, "vocab_size": 0})
+    assert r.status_code == 400 and "body.vocab_size: must be an integer in [1," in r.json()["error"]
+    with pytest.raises(ConfigError, match="--max-worker-share 0 cannot work"):
+        serve(max_worker_share=0)

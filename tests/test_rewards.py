@@ -281,3 +281,45 @@ def test_cli_eval_math(tiny_model, tmp_path):
     assert [x["answer"] for x in result["results"]] == [r["answer"] for r in math_rows()[:4]]
     assert [x["correct"] for x in result["results"]] == \
         [tasks.math_reward(x["completion"], x["answer"]) for x in result["results"]]
+
+
+# ---- the trainer's reward check (support/reward_check.py): issue 39, item 1
+
+def checked_group(tokenizer, items, i, texts, rewards=None, task="arith"):
+    """A group as rollout.Replica.batch makes it for item i: the item's chat prompt, one
+    completion per text (its ids, EOS at the end), each scored as the replica scores it."""
+    _, prompt_ids = tasks.chat_prompt(tokenizer, items[i]["question"])
+    comps = []
+    for j, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        score = tasks.reward(task, tasks.completion_text(tokenizer, ids), items[i])
+        comps.append({"ids": ids, "logprobs": [-1.0] * len(ids), "text": text,
+                      "finish_reason": "stop", "reward": score if rewards is None else rewards[j]})
+    return {"group_id": f"g{i}", "worker": "w", "policy_version": 0, "prompt": "",
+            "prompt_ids": prompt_ids, "completions": comps, "item": i}
+
+
+def test_the_reward_check_recomputes_each_reward_and_names_a_lie(tiny_model, capsys):
+    from transformers import AutoTokenizer
+
+    from support.reward_check import TaskRewards
+
+    check = TaskRewards("arith", None, tiny_model)
+    assert "reward check: on (--task arith, 2190 train items)" in capsys.readouterr().out
+    tok, items = AutoTokenizer.from_pretrained(tiny_model), check.items
+    right = f"The answer is {items[3]['answer']}."
+    honest = checked_group(tok, items, 3, [right, "I think 7.", right, "no idea"])
+    assert [c["reward"] for c in honest["completions"]] == [1.0, 0.0, 1.0, 0.0]
+    assert check.problem(honest) is None
+    lie = checked_group(tok, items, 3, [right, "I think 7.", right, "no idea"], [1, 1, 1, 1])
+    assert check.problem(lie) == ("reward_mismatch", "completion 1 claims reward 1; its ids score "
+                                                     "0 on item 3")
+    other = dict(honest, item=4)  # another item's prompt under this one's answer
+    assert check.problem(other)[0] == "prompt_mismatch"
+    for item in (None, -1, len(items), "3", 2.0):
+        g = dict(honest, item=item) if item is not None else {
+            k: v for k, v in honest.items() if k != "item"}
+        assert check.problem(g)[0] == "no_item", item
+    assert 0 < check.lap() < 1 and check.lap() == 0.0
+    off = TaskRewards("toy", None, tiny_model)
+    assert off.problem(lie) is None and "reward check: off (--task toy" in capsys.readouterr().out

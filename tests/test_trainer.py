@@ -34,7 +34,7 @@ import torch
 
 import proxy
 import grpo_loss
-from support import buckets, cli, group_checks, proxy_client, shared_prompt, step_record, trainer_state
+from support import buckets, cli, group_checks, proxy_client, proxy_service, shared_prompt, step_record, trainer_state
 import sync
 import trainer
 from conftest import ROOT
@@ -520,3 +520,50 @@ def test_the_trainer_drops_and_reports_groups_it_cannot_use(tiny_model, tmp_path
         want[kind] = want.get(kind, 0) + 1
     assert rec["groups"] == 2 and rec["groups_dropped"] == want and rec["groups_absurd_ratio"] == 1
     assert not rec["skipped_non_finite"] and math.isfinite(rec["grad_norm"])
+
+
+def test_a_group_the_trainer_drops_goes_back_to_the_quota_so_it_never_waits_on_it(capfd):
+    """Issue 39, item 2, against a proxy that cannot check ids (the trainer's vocabulary not
+    announced): a replica's whole step of out-of-vocabulary groups is delivered and dropped. The
+    trainer reports the drops (POST /reject): the proxy gives them back to the step's quota and
+    bans their worker, so the honest replica is leased them at once; before, the proxy counted
+    them as taken, leased nobody anything, and the trainer waited until --wait-timeout."""
+    R = "replica-secret"
+    server, _ = proxy.serve(port=0, num_generations=2, max_new_tokens=4, groups_per_step=2,
+                            max_staleness=0, token=TOKEN, rollout_token=R)
+    url, stop = f"http://127.0.0.1:{server.server_address[1]}", threading.Event()
+
+    def client(worker):
+        return proxy_client.ProxyClient(url, token=proxy_service.replica_token(R, worker))
+
+    def group(gid, worker, token):
+        comps = [{"ids": [token, 3], "logprobs": [-1.0, -1.0], "reward": float(r), "text": "",
+                  "finish_reason": "stop"} for r in (0, 1)]
+        return {"group_id": gid, "policy_version": 0, "worker": worker, "prompt": "",
+                "prompt_ids": [5, 6], "temperature": 1.0, "max_new_tokens": 4, "completions": comps}
+
+    def honest():
+        c, made = client("honest"), 0
+        while not stop.is_set():
+            if n := c.quota("honest", 0, 100, timeout=1.0)["groups"]:
+                c.post_rollouts([group(f"ok-{made + i}", "honest", 7) for i in range(n)])
+                made += n
+    try:
+        trainer_client = proxy_client.ProxyClient(url, token=TOKEN)
+        trainer_client.set_version(0)
+        oov = client("oov")
+        assert oov.quota("oov", 0, 100, timeout=0)["groups"] == 2  # alone: the whole step
+        oov.post_rollouts([group(f"bad-{i}", "oov", 100000) for i in range(2)])
+        threading.Thread(target=honest, daemon=True).start()
+        t0, dropped = time.monotonic(), {}
+        got = trainer.gather_groups(trainer_client, 2, 20, "B", vocab_size=101, dropped=dropped)
+        waited = time.monotonic() - t0
+        s = trainer_client.stats()
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert [g["worker"] for g in got] == ["honest", "honest"] and waited < 5, waited
+    assert dropped == {"token_id": 2} and "dropped group bad-0 from oov" in capfd.readouterr().err
+    assert (s["dropped_by_trainer"], s["trainer_drops"], list(s["banned"])) == (2, {"oov": 2},
+                                                                               ["oov"])

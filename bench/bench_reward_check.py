@@ -1,0 +1,87 @@
+"""What the trainer's reward check (support/reward_check.py) costs: the seconds TaskRewards.problem
+takes for one step's groups, made as a replica makes them (the item's prompt, each reward
+scored from the decoded ids), on the tiny test model's tokenizer or --model's.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reward_check.py --task arith
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reward_check.py --task gsm8k \
+        --data ../shared/data/gsm8k
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reward_check.py --task math \
+        --data tests/data/math_sample.jsonl
+
+A completion's text is an answer, "The answer is N." or "So we get \\boxed{N}.", N the item's
+answer or a random number (cut to --tokens tokens), so the reward function parses a number or a
+box as it would. Prints the
+median over --repeats steps of --groups x --generations completions: the whole check, and per
+completion. The first step also tokenizes each item's prompt once (TaskRewards caches it): it
+is reported apart.
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from support.reward_check import TaskRewards  # noqa: E402
+from support.tasks import chat_prompt, completion_text, reward  # noqa: E402
+
+
+def step_groups(check, rng, groups, generations, tokens):
+    """One step's groups for check's task, as rollout.Replica.batch makes them."""
+    out = []
+    for _ in range(groups):
+        i = rng.randrange(len(check.items))
+        item = check.items[i]
+        comps = []
+        for _ in range(generations):  # right, or a wrong number each time (math-verify parses it)
+            n = item["answer"] if rng.random() < 0.5 else str(rng.randrange(10**6))
+            text = rng.choice([f"The answer is {n}.", f"So we get \\boxed{{{n}}}."])
+            ids = check.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = ids[:tokens - 1] + [check.tokenizer.eos_token_id]
+            score = reward(check.task, completion_text(check.tokenizer, ids), item)
+            comps.append({"ids": ids, "logprobs": [-1.0] * len(ids), "reward": score})
+        out.append({"item": i, "completions": comps,
+                    "prompt_ids": chat_prompt(check.tokenizer, item["question"])[1]})
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", default="arith", choices=["arith", "gsm8k", "math"])
+    p.add_argument("--data", help="gsm8k, math: a JSONL file or a folder (as rollout.py's)")
+    p.add_argument("--model", help="a model folder for its tokenizer (default: the tiny model)")
+    p.add_argument("--groups", type=int, default=16, help="groups per step, B")
+    p.add_argument("--generations", type=int, default=8, help="completions per group, G")
+    p.add_argument("--tokens", type=int, default=256, help="longest completion, in tokens")
+    p.add_argument("--repeats", type=int, default=20, help="steps measured")
+    opts = p.parse_args(argv)
+    model = opts.model
+    if model is None:
+        import tiny_model
+
+        model = tiny_model.build(tempfile.mkdtemp(prefix="bench-reward-check-"))
+    check, rng = TaskRewards(opts.task, opts.data, model), random.Random(0)
+    first, times = None, []
+    for r in range(opts.repeats + 1):
+        groups = step_groups(check, rng, opts.groups, opts.generations, opts.tokens)
+        t0 = time.perf_counter()
+        problems = [check.problem(g) for g in groups]
+        spent = time.perf_counter() - t0
+        assert problems == [None] * len(groups), problems  # every honest group checks out
+        first, times = (spent, times) if r == 0 else (first, times + [spent])
+    n = opts.groups * opts.generations
+    med = statistics.median(times)
+    print(f"{opts.task}: a step of {opts.groups} groups x {opts.generations} completions "
+          f"(<= {opts.tokens} tokens): check {med * 1e3:.1f} ms (median of {opts.repeats}; "
+          f"{med / n * 1e6:.0f} us a completion); the first step, prompts tokenized: "
+          f"{first * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
