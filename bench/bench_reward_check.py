@@ -13,7 +13,8 @@ answer or a random number (cut to --tokens tokens), so the reward function parse
 box as it would. Prints the
 median over --repeats steps of --groups x --generations completions: the whole check, and per
 completion. The first step also tokenizes each item's prompt once (TaskRewards caches it): it
-is reported apart.
+is reported apart. For math, each step's check gets a fresh math-verify process (started before
+the clock), so that nothing parsed while the groups were made is cached.
 """
 
 import argparse
@@ -29,7 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from support.reward_check import TaskRewards  # noqa: E402
-from support.tasks import chat_prompt, completion_text, reward  # noqa: E402
+from support.tasks import MATH_SCORER, chat_prompt, completion_text, reward  # noqa: E402
 
 
 def step_groups(check, rng, groups, generations, tokens):
@@ -70,6 +71,9 @@ def main(argv=None):
     first, times = None, []
     for r in range(opts.repeats + 1):
         groups = step_groups(check, rng, opts.groups, opts.generations, opts.tokens)
+        if opts.task == "math":  # math-verify's child caches what it parsed: a fresh one, warm
+            MATH_SCORER.close()
+            MATH_SCORER("1", "1")
         t0 = time.perf_counter()
         problems = [check.problem(g) for g in groups]
         spent = time.perf_counter() - t0
