@@ -71,6 +71,7 @@ import sync
 from support.buckets import BucketError, open_bucket, save_trainer_state
 from support.cli import trainer_args
 from support.contract import CONTRACT_FLAGS  # the settings read from the proxy in train()
+from support.devices import checkpoint_layers  # --gradient-checkpointing
 from support.group_checks import Waiting, keep_usable  # what a hostile replica cannot do
 from support.proxy_client import ProxyClient, ProxyError
 from support.reward_check import TaskRewards  # a group's rewards, recomputed from its task
@@ -239,6 +240,8 @@ def train(args):
     run = start_run(args, bucket, contract)
     model, optimizer, step, version = run.model, run.optimizer, run.step, run.version
     groups_consumed = run.groups_consumed
+    if args.gradient_checkpointing:  # each layer's activations recomputed in the backward pass
+        checkpoint_layers(model)
     # versions kept in the bucket: every one a replica may still be using
     keep = args.max_staleness + 2
     # what the model takes, announced with every version: the proxy refuses other groups (400)

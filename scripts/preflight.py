@@ -6,28 +6,38 @@
 serve answers, on 0.0.0.0:8000: /healthz; /headers, what reached the container: each request
 header's name, with X-Proxy-Token's value and a SHA-256 prefix of Authorization's (so jobs.sh can
 tell that the HF token arrived intact without the token being printed anywhere); /bucket, whether
-and how long after it was written it saw the file that job 2 writes. write writes that file
-(its own clock inside), then stays up a minute so that the mount can upload it. Both exit by
-themselves after --seconds.
+and how long after it was written it saw the file that job 2 writes, and job 2's verdicts on the
+trainer's write path. write first runs that path on the mount: support/buckets.py's DirBucket,
+the code trainer.py writes the bucket with (a folder made and opened with dir_fd and O_NOFOLLOW,
+a temp file with O_EXCL, fsync, os.replace, an existing LATEST replaced, os.fwalk, unlink +
+rmdir), one verdict line each; then it writes that file (its own clock and the verdicts inside)
+with a plain open + os.replace, so job 1 learns the verdicts even when DirBucket's writes fail,
+and stays up a minute so that the mount can upload it. Both exit by themselves after --seconds.
 """
 
 import argparse
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support.buckets import BucketError, DirBucket  # noqa: E402  the standard library only
+
 FILE = "from-writer.json"
+CHECK = "dirbucket-check"  # the folder, beside FILE, that write_path writes and deletes
 
 
 def watch(folder, seen):
     while "at" not in seen:
         try:
             with open(os.path.join(folder, FILE)) as f:
-                written = json.load(f)["written_at"]
-            seen.update(at=time.time(), lag_s=round(time.time() - written, 1))
+                got = json.load(f)
+            seen.update(at=time.time(), lag_s=round(time.time() - got["written_at"], 1),
+                        write_path=got.get("write_path"))
         except (OSError, ValueError, KeyError):
             time.sleep(0.5)
 
@@ -44,7 +54,8 @@ def serve(folder, seconds):
                         "authorization_sha256": auth and hashlib.sha256(auth.encode()).hexdigest()[:16],
                         "x_proxy_token": self.headers.get("X-Proxy-Token")}
             elif self.path == "/bucket":
-                body = {"seen": "at" in seen, "lag_s": seen.get("lag_s")}
+                body = {"seen": "at" in seen, "lag_s": seen.get("lag_s"),
+                        "write_path": seen.get("write_path")}
             else:
                 body = {"ok": True}
             data = json.dumps(body).encode()
@@ -63,11 +74,59 @@ def serve(folder, seconds):
     time.sleep(seconds)
 
 
+def write_path(folder, retry_after=5.0):
+    """The trainer's bucket writes, done by DirBucket itself in folder/CHECK: {step: "ok" or what
+    failed}, one printed verdict each. hf-mount has refused an open without O_TRUNC (DirBucket's
+    temp file is O_EXCL) and the unlink of a file just written (still uploading): the delete is
+    tried at once, then again after retry_after s."""
+    b, verdicts = DirBucket(os.path.join(folder, CHECK)), {}
+    adapter, latest = "adapters/v000000/adapter_model.safetensors", "adapters/LATEST"
+
+    def write_new():  # makes adapters/v000000/ on the way
+        b.write(adapter, b"weights")
+        return None if b.read(adapter) == b"weights" else f"read back {b.read(adapter)!r}"
+
+    def replace():  # what every publish does to LATEST
+        b.write(latest, b"1")
+        b.write(latest, b"2")
+        return None if b.read(latest) == b"2" else f"read back {b.read(latest)!r}, not b'2'"
+
+    def listed():
+        return None if b.list() == sorted([adapter, latest]) else f"listed {b.list()}"
+
+    def delete():  # DirBucket.delete ignores a failed unlink or rmdir: the listing tells
+        for key in b.list():
+            b.delete(key)
+        return f"still there: {b.list()}" if b.list() else None
+
+    def step(name, attempt):
+        try:
+            problem = attempt()
+        except (BucketError, OSError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        verdicts[name] = problem or "ok"
+        print(f"[preflight write] DirBucket {name}: {verdicts[name]}", flush=True)
+        return problem is None
+
+    step("write (a new folder, temp file O_EXCL + fsync, os.replace)", write_new)
+    step("replace (LATEST written twice)", replace)
+    step("list (os.fwalk)", listed)
+    if not step("delete (unlink + rmdir) right after the write", delete):
+        time.sleep(retry_after)
+        step(f"delete {retry_after:g} s later", delete)
+    try:
+        os.rmdir(b.url)
+    except OSError:
+        pass
+    return verdicts
+
+
 def write(folder, seconds):
     os.makedirs(folder, exist_ok=True)
+    verdicts = write_path(folder)
     tmp = os.path.join(folder, f".{FILE}.tmp")
     with open(tmp, "w") as f:
-        json.dump({"written_at": time.time()}, f)
+        json.dump({"written_at": time.time(), "write_path": verdicts}, f)
     os.replace(tmp, os.path.join(folder, FILE))
     print(f"[preflight write] wrote {folder}/{FILE}", flush=True)
     time.sleep(seconds)

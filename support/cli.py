@@ -62,6 +62,9 @@ def trainer_args(argv=None, description=None):
       help="stop after this many optimizer steps (counted across restarts)")
     a("--micro-batch-tokens", type=int, default=8192,
       help="tokens (padding counted) per forward/backward pass")
+    a("--gradient-checkpointing", action="store_true",
+      help="recompute each layer's activations in the backward pass instead of keeping them "
+           "(TRL's name): less memory per micro-batch, ~1/3 more compute (docs/gpu-round.md)")
     a("--save-every", type=int, default=10, help="save resume state every this many steps")
     a("--seed", type=int, default=0, help="seed for the LoRA init and torch's/python's RNGs")
     a("--lora-r", type=int, default=16, help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")

