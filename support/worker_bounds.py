@@ -33,17 +33,22 @@ class WorkerBounds:
 
     def _suppliers(self, now):
         """The workers a step can count on for groups: measured (they delivered a lease), not
-        banned, not being probed (LeaseSizing._in_time found them too slow), and holding a live
-        lease of groups still to come, or just done with one (within LEASE_SLACK x one group's
-        time, at least LEASE_FLOOR_S: the moment between a replica's last group and its next
-        /quota). A dead replica stops counting when its lease expires."""
+        banned, not being probed (LeaseSizing._in_time found them too slow), and holding a lease
+        of groups still to come, or just done with one. Both with a grace of LEASE_SLACK x one
+        group's time, at least LEASE_FLOOR_S (_supplier_end): the moment between its last group
+        and its next /quota, a lease a little late. A dead replica stops counting that long
+        after its lease expired."""
         def supplies(w, lease):
             if w not in self.pace or w in self.banned or w in self.probe_gap:
                 return False
-            grace = max(LEASE_FLOOR_S, LEASE_SLACK * self.pace[w])
-            return (lease.n > 0 and lease.until > now) or \
-                now - self.delivered_at.get(w, -math.inf) < grace
+            return now < self._supplier_end(w, lease)
         return {w for w, lease in self.leases.items() if supplies(w, lease)}
+
+    def _supplier_end(self, w, lease):
+        """When measured worker w stops counting as a supplier (monotonic s)."""
+        grace = max(LEASE_FLOOR_S, LEASE_SLACK * self.pace[w])
+        return max(lease.until + grace if lease.n > 0 else -math.inf,
+                   self.delivered_at.get(w, -math.inf) + grace)
 
     def _cap(self, worker, now, suppliers=None):
         """How many of a step's B groups `worker` may supply: all of them while nobody else
@@ -91,21 +96,14 @@ class WorkerBounds:
             now = time.monotonic()
             if len(self._pick(n, now)) >= n or (left := deadline - now) <= 0:
                 break
-            ends = [end - now for end in self._supplier_ends() if end > now]
+            ends = [end - now for w, lease in self.leases.items() if w in self.pace
+                    and (end := self._supplier_end(w, lease)) > now]
             self.cond.wait(min([left, *ends]))
         picked = set() if gone() else set(self._pick(n, time.monotonic()))
         out = [g for i, g in enumerate(self.groups) if i in picked]
         if picked:
             self.groups = type(self.groups)(g for i, g in enumerate(self.groups) if i not in picked)
         return out
-
-    def _supplier_ends(self):
-        """When each worker would stop counting as a supplier (monotonic s)."""
-        for w, lease in self.leases.items():
-            if w in self.pace:
-                grace = max(LEASE_FLOOR_S, LEASE_SLACK * self.pace[w])
-                yield max(lease.until if lease.n > 0 else 0.0,
-                          self.delivered_at.get(w, -math.inf) + grace)
 
     def _taken_from(self, groups, sign=1):
         """This step's groups per worker, and their ids (reject); sign -1: given back."""

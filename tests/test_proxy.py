@@ -1472,10 +1472,11 @@ def test_an_instant_worker_supplies_at_most_its_share_of_each_step(proxy):
     assert s["replicas"]["liar"]["share"] == 1.0, s["replicas"]  # it is the fastest, by far
     assert s["replicas"]["honest"]["share"] >= 0.5, s["replicas"]  # the floor: 1 - 0.5
     # the first steps may come before the honest replica delivered once (nobody is waited for
-    # until measured); from then on, at most half of each step
-    assert all(c["liar"] <= 2 for c in per_step[2:]), per_step
+    # until measured: its first lease may be a whole step, 0.4 s); from then on, at most half
+    first = next(i for i, c in enumerate(per_step) if c["honest"])
+    assert first <= 5 and all(c["liar"] <= 2 for c in per_step[first:]), per_step
     liar = sum(c["liar"] for c in per_step)
-    assert liar <= 2 * 10 + 4 * 2, per_step
+    assert liar <= 2 * 12 + 2 * first, per_step
     assert s["trained"] == {"honest": 48 - liar, "liar": liar} and s["max_worker_share"] == 0.5
 
 
