@@ -159,10 +159,10 @@ def test_an_instant_credential_supplies_at_most_its_share_of_each_step(tiny_mode
     by_step = [r["groups_by_worker"] for r in records]
     print("groups per step by worker:", by_step)
     assert len(by_step) == 12 and all(sum(c.values()) == B for c in by_step), by_step
-    # until the honest replica delivered its first lease nobody is waited for; from then on at
-    # most half of each step (0.5 x 4)
+    # until the honest replica delivered its first lease (2 groups, 0.6 s: 3 to 5 steps here,
+    # with the trainer's start-up) nobody is waited for; from then on at most half of each step
     first = next(i for i, c in enumerate(by_step) if c.get("honest"))
-    assert first <= 3 and all(c.get("instant", 0) <= 2 for c in by_step[first:]), by_step
+    assert first <= 6 and all(c.get("instant", 0) <= 2 for c in by_step[first:]), by_step
     assert sum(c.get("instant", 0) for c in by_step) <= 2 * 12 + 2 * first, by_step
     assert stats["replicas"]["instant"]["share"] == 1.0 or stats["replicas"] == {}  # the fastest
     assert stats["max_worker_share"] == 0.5
