@@ -96,7 +96,9 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
   ARGS=(trainer.py --model "$1" --bucket "$2" --proxy "$3" --max-steps "$STEPS"
         --learning-rate "$LEARNING_RATE" --lr-scheduler-type "$LR_SCHEDULER_TYPE"
         --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
-        --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED")
+        --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED"
+        --task "$TASK")   # the trainer re-scores each group from its task item (arith, gsm8k, math)
+  if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
   add_words "$TRAINER_ARGS"
 }
 
@@ -233,6 +235,7 @@ launch_hf() {
       -v "$CODE:/code"        `# this checkout, uploaded, mounted read-only` \
       --secrets ROLLOUT_TOKEN `# its own: the secret bound to replica-i (job_env)` \
       --secrets GATEWAY_TOKEN `# opens the gateway: never your HF token` \
+      --secrets ADAPTER_KEY   `# checks the trainer's tag on each adapter and LATEST` \
       "${BUCKET_RO[@]}"       `# the bucket read-only; on s3, read-only keys` \
       -- "$IMAGE" bash -c "$CMD"   `# the vLLM image: torch and vLLM at the setup.sh pins`
   done
@@ -249,7 +252,8 @@ launch_hf() {
     ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
     -v "$CODE:/code"          `# this checkout, uploaded, mounted read-only` \
     --secrets PROXY_TOKEN     `# every proxy endpoint` \
-    --secrets TRAINER_STATE_KEY  `# signs its resume state in the bucket` \
+    --secrets TRAINER_STATE_KEY  `# signs its resume state and its own manifests` \
+    --secrets ADAPTER_KEY     `# tags each adapter and LATEST for the replicas` \
     --secrets GATEWAY_TOKEN   `# opens the gateway` \
     --secrets HF_TOKEN        `# the bucket and gated models: the trainer only` \
     "${BUCKET_RW[@]}"         `# the bucket read-write: adapters, metrics, state` \

@@ -271,14 +271,18 @@ prepare_hf() {  # everything before the first `hf jobs run`: the CLI and the tok
         "(jobs.sh ships the files of a git checkout)"
   trap 'abort_launch "interrupted"' INT TERM
 }
-run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY: random, made once per run NAME and
-  # kept in RUN/secrets.env (mode 600), so a relaunch of the same NAME resumes with the same ones
+run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY, ADAPTER_KEY: random, made once
+  # per run NAME and kept in RUN/secrets.env (mode 600), so a relaunch of the same NAME resumes
+  # with the same ones
   local f=$RUN/secrets.env k v
   if [ ! -f "$f" ]; then
     (umask 077; printf 'PROXY_TOKEN=%s\nROLLOUT_TOKEN=%s\nTRAINER_STATE_KEY=%s\n' \
        "$(new_token)" "$(new_token)" "$(new_token)" >"$f")
   fi
-  for k in PROXY_TOKEN ROLLOUT_TOKEN TRAINER_STATE_KEY; do
+  # a run made before ADAPTER_KEY existed gets one now (its old adapters carry no tag: the
+  # replicas wait for the trainer's next, tagged, version)
+  grep -q '^ADAPTER_KEY=' "$f" || (umask 077; echo "ADAPTER_KEY=$(new_token)" >>"$f")
+  for k in PROXY_TOKEN ROLLOUT_TOKEN TRAINER_STATE_KEY ADAPTER_KEY; do
     v=$(sed -n "s/^$k=//p" "$f" | head -1)
     case $v in ""|*[!0-9a-f]*) die "$f has no '$k=<hex>' line: delete it for new tokens" ;; esac
     eval "$k=\$v"; export "$k"

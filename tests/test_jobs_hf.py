@@ -108,7 +108,7 @@ def run_jobs(tmp_path, *args, **env_extra):
             f.unlink()
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_STANDIN_LOG=str(log),
                HF_STANDIN_URL=Gateway.url)
-    for k in ("HF_TOKEN", "GATEWAY_TOKEN", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY",
+    for k in ("HF_TOKEN", "GATEWAY_TOKEN", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY", "ADAPTER_KEY",
               "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ROLLOUT_AWS_ACCESS_KEY_ID",
               "ROLLOUT_AWS_SECRET_ACCESS_KEY", "DRY_RUN"):
         env.pop(k, None)
@@ -172,12 +172,13 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
         assert "exec python3 " in c[-1] and not re.search(r"\bpython\b(?!3)", c[-1]), c[-1]
     # least privilege: only the trainer holds the trainer's token, the state key and the HF token
     assert secrets == {"proxy": ["PROXY_TOKEN", "ROLLOUT_TOKEN"],
-                       "rollout-0": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN"],
-                       "rollout-1": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN"],
-                       "trainer": ["PROXY_TOKEN", "TRAINER_STATE_KEY", "GATEWAY_TOKEN", "HF_TOKEN"]}
+                       "rollout-0": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN", "ADAPTER_KEY"],
+                       "rollout-1": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN", "ADAPTER_KEY"],
+                       "trainer": ["PROXY_TOKEN", "TRAINER_STATE_KEY", "ADAPTER_KEY", "GATEWAY_TOKEN",
+                                   "HF_TOKEN"]}
     kept = dict(line.split("=", 1) for line in open(os.path.join(ROOT, "runs", name, "secrets.env")).read().split())
-    assert sorted(kept) == ["PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY"]
-    assert len(set(kept.values())) == 3 and all(re.fullmatch("[0-9a-f]{32}", v) for v in kept.values())
+    assert sorted(kept) == ["ADAPTER_KEY", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY"]
+    assert len(set(kept.values())) == 4 and all(re.fullmatch("[0-9a-f]{32}", v) for v in kept.values())
     assert os.stat(os.path.join(ROOT, "runs", name, "secrets.env")).st_mode & 0o777 == 0o600
     assert not [c for c in calls if any(v in " ".join(c) for v in kept.values())]  # in no argv
 
@@ -339,8 +340,8 @@ def test_hf_jobs_dry_run_prints_the_gpu_experiment_and_runs_nothing(tmp_path, hf
     assert steps == ["[jobs] proxy: secrets PROXY_TOKEN ROLLOUT_TOKEN",
                      "[jobs] then: wait for RUNNING and GET https://<proxy-job-id>--8000.hf.jobs/healthz "
                      "(Authorization: Bearer $GATEWAY_TOKEN)",
-                     "[jobs] rollout-0: secrets ROLLOUT_TOKEN GATEWAY_TOKEN",
-                     "[jobs] trainer: secrets PROXY_TOKEN TRAINER_STATE_KEY GATEWAY_TOKEN HF_TOKEN"], steps
+                     "[jobs] rollout-0: secrets ROLLOUT_TOKEN GATEWAY_TOKEN ADAPTER_KEY",
+                     "[jobs] trainer: secrets PROXY_TOKEN TRAINER_STATE_KEY ADAPTER_KEY GATEWAY_TOKEN HF_TOKEN"], steps
 
 
 def test_hf_jobs_s3_bucket_dry_run(tmp_path, hf_run_name):
@@ -381,7 +382,7 @@ def test_hf_jobs_no_replica_job_holds_the_accounts_credentials(tmp_path, hf_run_
     assert res.returncode == 0, res.stderr
     printed = dry_run_commands(res)
     for argv in printed[1:3]:  # the replicas
-        assert value_after(argv, "--secrets") == ["ROLLOUT_TOKEN", "GATEWAY_TOKEN"], argv
+        assert value_after(argv, "--secrets") == ["ROLLOUT_TOKEN", "GATEWAY_TOKEN", "ADAPTER_KEY"], argv
         assert "HF_TOKEN" not in " ".join(argv) and account not in " ".join(argv)
     assert "HF_TOKEN" in value_after(printed[-1], "--secrets")  # the trainer's, and only its
     assert account not in res.stdout + res.stderr
@@ -390,9 +391,10 @@ def test_hf_jobs_no_replica_job_holds_the_accounts_credentials(tmp_path, hf_run_
     assert res.returncode == 0, res.stderr
     given = secrets_given(tmp_path)
     assert [sorted(g) for g in given] == [["PROXY_TOKEN", "ROLLOUT_TOKEN"],
-                                          ["GATEWAY_TOKEN", "ROLLOUT_TOKEN"],
-                                          ["GATEWAY_TOKEN", "ROLLOUT_TOKEN"],
-                                          ["GATEWAY_TOKEN", "HF_TOKEN", "PROXY_TOKEN", "TRAINER_STATE_KEY"]]
+                                          ["ADAPTER_KEY", "GATEWAY_TOKEN", "ROLLOUT_TOKEN"],
+                                          ["ADAPTER_KEY", "GATEWAY_TOKEN", "ROLLOUT_TOKEN"],
+                                          ["ADAPTER_KEY", "GATEWAY_TOKEN", "HF_TOKEN", "PROXY_TOKEN",
+                                           "TRAINER_STATE_KEY"]]
     for g in given[:3]:
         assert account not in g.values() and g.get("GATEWAY_TOKEN", GATEWAY_TOKEN) == GATEWAY_TOKEN
     assert given[3]["HF_TOKEN"] == account
