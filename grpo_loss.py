@@ -8,7 +8,8 @@ few dozen GRPO steps on the tiny test model and checks that a toy reward goes fr
 
 The names are TRL's (`GRPOTrainer._compute_loss` in huggingface/trl, trl/trainer/grpo_trainer.py):
 `epsilon`, `epsilon_high`, `delta`, `beta`, `use_bias_correction_kl`, `loss_type`, `scale_rewards`,
-`max_completion_length`, so a reader who knows TRL can check this file against it line by line.
+`max_completion_length`, `vllm_importance_sampling_*`, `off_policy_mask_threshold`, so a reader
+who knows TRL can check this file against it line by line.
 
 Where this departs from GRPO as the DeepSeekMath paper writes it (arXiv 2402.03300, eq. 3), and
 from TRL:
@@ -17,10 +18,16 @@ from TRL:
    as TRL 1.16 does by default (`use_bias_correction_kl=True`, DeepSeek-V3.2 arXiv 2512.02556):
    the ratio is not detached, so it changes the KL gradient even where it equals 1. With LoRA
    the reference policy is the base model with the adapter disabled (no second model in memory).
-2. The "old" policy is the behaviour policy: the log-probs the sampler (vLLM) reported while
-   generating, possibly from an adapter a few versions behind the trainer. The ratio
-   exp(logp - logp_behaviour) corrects for that staleness (and for sampler/trainer numerical
-   mismatch); the paper's pi_old is the trainer's own policy before this step's updates.
+2. Where the sampler's log-probs enter (sampler_correction). "sampler" (trainer.py's default,
+   TRL's AsyncGRPOTrainer): they are the old policy, ratio = exp(logp - logp_sampler), so the
+   clip absorbs staleness and the sampler/trainer numerical mismatch. "learner" (TRL's
+   GRPOTrainer with vLLM, and the paper's pi_old): the old log-probs are the learner's at this
+   step's weights, i.e. this forward's, detached (one optimizer step per batch: no second
+   forward; ratio 1, clip and delta inert); the sampler's enter as a weight on each token's
+   loss, exp(logp_old - logp_sampler) per token or per sequence, truncated or masked (TRL's
+   vllm_importance_sampling_*), and in DeepSeek-V3.2's off-policy mask. A group k versions old
+   is weighted against the sampler that made it: staleness and numerics together. Which is the
+   better default for an asynchronous run is left to a multi-seed comparison.
 3. Token-level normalisation by default (`loss_type="dapo"`: sum over all completion tokens of
    the optimizer batch / their count, DAPO arXiv 2503.14476 sec. 3.3). The paper averages over each
    sequence's tokens first (`"grpo"` here), which weights a token of a short answer more than a
@@ -36,6 +43,8 @@ from TRL:
    TRL has neither: a garbage or extreme sampler log-prob there makes exp() inf and the gradient
    NaN even where the loss is clipped and its true gradient is 0. A ratio held at the bound has
    no gradient (it is as far off-policy as a token can be; `delta` bounds it properly).
+   So has the importance weight's log (TRL's weight whenever clip_max < e^20). TRL gives a NaN
+   sampler log-prob weight 1; the contract refuses NaN here (the step would not be finite).
 7. Micro-batches: TRL divides each micro-batch's loss by the number of micro-batches. That is the
    definition of "bnpo" (each micro-batch's token mean, averaged: see microbatch_weight), so we
    do the same there; for "grpo" and "dr_grpo" we weight by the micro-batch's share of the
@@ -43,16 +52,25 @@ from TRL:
    only when every micro-batch holds as many sequences).
 """
 
+import math
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+OLD_LOGPROBS = ("sampler", "learner")  # whose log-probs are the ratio's old policy (departure 2)
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's
+# sampler_correction's keywords, as trainer.py's flags name them (TRL's names but the first)
+CORRECTION = ("old_logprobs", "vllm_importance_sampling_correction",
+              "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+              "vllm_importance_sampling_clip_min", "off_policy_mask_threshold")
 LOG_RATIO_MAX = 20.0  # exp(20) = 4.9e8, far from float32's overflow at exp(88.7) (departure 6)
 
 
 # ---- ALGO: the step's math in trainer.py's order: 2. advantages (group_advantages)
-# 3. log-probs (token_logprobs, log_ratio)  4. the loss (policy_loss, microbatch_weight)
+# 3. log-probs (token_logprobs, log_ratio)  4. the loss (sampler_correction: the old log-probs,
+# the importance weight, the off-policy mask; policy_loss, microbatch_weight)
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
     """Advantage of each completion against the other completions of its prompt.
@@ -117,13 +135,86 @@ def log_ratio(logprobs, old_logprobs, mask):
     return torch.where(mask.bool(), logprobs - old_logprobs, 0.0).clamp(max=LOG_RATIO_MAX)  # (B, T)
 
 
+def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask",
+                              clip_max=3.0, clip_min=None):
+    """TRL's vllm_importance_sampling_ratio (grpo_trainer.py 2660-2705): pi_old / pi_sampler per
+    token (token_*) or per sequence (sequence_*: the product), held in [clip_min, clip_max]
+    (*_truncate) or 0 outside it (*_mask). No gradient. old_logprobs, sampling_logprobs, mask:
+    (B, T). Returns (ratio, outside), (B, T) or (B, 1): `outside` (bool) marks the ratios
+    outside the bounds before truncation or masking."""
+    if mode not in IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, not {mode!r}")
+    with torch.no_grad():
+        # TRL: per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+        diff = torch.where(mask.bool(), old_logprobs.detach().float() - sampling_logprobs,
+                           0.0)  # (B, T)
+        if mode.startswith("sequence"):
+            # TRL: per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+            diff = diff.sum(-1, keepdim=True)  # (B, 1)
+        # TRL: vllm_importance_sampling_ratio = torch.exp(logps_diff); bounded first (departure 6)
+        ratio = torch.exp(diff.clamp(max=LOG_RATIO_MAX))  # (B, T) or (B, 1)
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        outside = (ratio < lo) | (ratio > hi)  # TRL: invalid_mis_mask
+        if mode.endswith("truncate"):
+            # TRL: torch.clamp(ratio, min=vllm_importance_sampling_clip_min, max=..._clip_max)
+            return ratio.clamp(min=lo, max=hi), outside
+        # TRL: ratio.masked_fill(invalid_mis_mask, value=0.0)
+        return ratio.masked_fill(outside, 0.0), outside
+
+
+def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold):
+    """TRL's get_off_policy_mask (grpo_trainer.py ~2945-2968; DeepSeek-V3.2 arXiv 2512.02556 eq.
+    9): (B, 1), 0 for a sequence whose advantage is negative and whose mean over its tokens of
+    log(pi_sampler / pi_theta) exceeds threshold, else 1. No gradient."""
+    with torch.no_grad():
+        # TRL: kl_div = sampling_per_token_logps - per_token_logps.detach()
+        kl_div = torch.where(mask.bool(), sampling_logprobs - logprobs.detach(), 0.0)  # (B, T)
+        # TRL: avg_seq_kl = seq_kl_sum / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        avg_seq_kl = kl_div.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+            min=1.0)  # (B, 1)
+        # TRL: keep if (advantages >= 0) | (avg_seq_kl <= off_policy_threshold)
+        keep = (advantages.unsqueeze(1) >= 0) | (avg_seq_kl <= threshold)  # (B, 1)
+        return keep.to(logprobs.dtype)  # (B, 1)
+
+
+def sampler_correction(logprobs, sampling_logprobs, advantages, mask, old_logprobs="sampler",
+                       vllm_importance_sampling_correction=True,
+                       vllm_importance_sampling_mode="sequence_mask",
+                       vllm_importance_sampling_clip_max=3.0,
+                       vllm_importance_sampling_clip_min=None, off_policy_mask_threshold=None):
+    """Where the sampler's log-probs enter the loss (departure 2): policy_loss's old_logprobs,
+    importance_sampling_ratio and off_policy_mask, as a dict. logprobs: (B, T) this forward's;
+    sampling_logprobs: (B, T) the sampler's; advantages: (B,); mask: (B, T). The keywords and
+    defaults are TRL's GRPOConfig's but old_logprobs: "sampler": the old policy is the sampler
+    (TRL's AsyncGRPOTrainer). "learner": it is this forward, detached (with one optimizer step
+    per batch, what TRL's no-grad forward computes), and with vllm_importance_sampling_correction
+    the loss is weighted by importance_sampling_ratio (TRL's GRPOTrainer with vLLM)."""
+    if old_logprobs not in OLD_LOGPROBS:
+        raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, not {old_logprobs!r}")
+    out = {"old_logprobs": sampling_logprobs, "importance_sampling_ratio": None,
+           "off_policy_mask": None}
+    if old_logprobs == "learner":
+        # TRL: old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None
+        out["old_logprobs"] = logprobs.detach()  # (B, T)
+        if vllm_importance_sampling_correction:
+            out["importance_sampling_ratio"], _ = importance_sampling_ratio(
+                out["old_logprobs"], sampling_logprobs, mask, vllm_importance_sampling_mode,
+                vllm_importance_sampling_clip_max, vllm_importance_sampling_clip_min)
+    if off_policy_mask_threshold is not None:
+        out["off_policy_mask"] = off_policy_mask(advantages, logprobs, sampling_logprobs, mask,
+                                                 off_policy_mask_threshold)  # (B, 1)
+    return out
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=None,
                 loss_type="dapo", max_completion_length=None, num_tokens=None,
-                ref_logprobs=None, beta=0.0, delta=None, use_bias_correction_kl=True):
+                ref_logprobs=None, beta=0.0, delta=None, use_bias_correction_kl=True,
+                importance_sampling_ratio=None, off_policy_mask=None):
     """Clipped surrogate loss of GRPO, aggregated the way TRL's `loss_type` names it.
 
     logprobs: (B, T) of the policy being trained (carries the gradient).
-    old_logprobs: (B, T) behaviour log-probs from the sampler (no gradient).
+    old_logprobs: (B, T) the sampler's, or the learner's detached (sampler_correction).
     advantages: (B,) from group_advantages.
     mask: (B, T), 1 on completion tokens (up to and including the first EOS), 0 on padding.
     num_tokens: the token count "dapo" and "bnpo" divide by (default: this mask's sum). dapo: the
@@ -134,6 +225,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     ref_logprobs: (B, T) of the reference policy, needed when beta > 0.
     use_bias_correction_kl: multiply the per-token KL by the ratio before delta caps it (TRL's
       name and default: True). False: the paper's k3 term alone.
+    importance_sampling_ratio: (B, T) or (B, 1); off_policy_mask: (B, 1) of 0/1. Each multiplies
+      the clipped surrogate (not the KL term), as TRL does. None: 1.
     Returns (loss, stats) with stats a dict of python floats: ratio_mean, clip_low_frac,
     clip_high_frac, and kl when beta > 0 (masked means over completion tokens).
     """
@@ -153,6 +246,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_h
     per_token_loss2 = coef_2 * adv  # (B, T)
     # the PPO clip, DeepSeekMath eq. 3
     per_token_loss = -torch.min(per_token_loss1, per_token_loss2)  # (B, T)
+    if off_policy_mask is not None:  # TRL: per_token_loss = per_token_loss * off_policy_mask
+        per_token_loss = per_token_loss * off_policy_mask  # (B, T)
+    if importance_sampling_ratio is not None:
+        # TRL: per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        per_token_loss = per_token_loss * importance_sampling_ratio  # (B, T)
     if beta != 0.0:
         ref_diff = torch.where(keep, ref_logprobs - logprobs, 0.0)  # (B, T)
         # k3 estimator of KL(pi_theta || pi_ref): DeepSeekMath eq. 4;
@@ -229,23 +327,20 @@ def check_settings(loss_type, max_completion_length, beta, ref_logprobs, delta, 
                          f"> 1 + epsilon), not {delta}: it caps the ratio above the clip range")
 
 
-def offpolicy_stats(logprobs, old_logprobs, mask, epsilon=0.2, epsilon_high=None):
-    """How far the trained policy is from the sampler's on these tokens, per row (for the logs).
-
-    Returns a dict of (B,) tensors, each a sum over the row's completion tokens: "tokens";
-    "approx_kl", CleanRL's k3 estimate of KL(pi_behaviour || pi_theta), (r - 1) - log r per token;
-    "clipped", tokens whose ratio lies outside [1 - epsilon, 1 + epsilon_high] whatever the
-    advantage's sign (CleanRL's clipfrac); and "ratio_max", the row's largest ratio (0 if empty).
-    """
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+def offpolicy_stats(logprobs, sampling_logprobs, mask, correction=None):
+    """For the logs (support/step_record.py's row_columns): "log_ratio", log(pi_theta /
+    pi_sampler) (B, T), and importance_sampling_ratio's "weight" and "outside" with correction's
+    mode and bounds (sampler_correction's keywords), whether or not the loss applies them."""
+    c = correction or {}
     with torch.no_grad():
-        mask = mask.float()  # (B, T)
-        lr = log_ratio(logprobs.detach().float(), old_logprobs, mask)  # (B, T)
-        ratio = lr.exp()  # (B, T)
-        approx_kl = (ratio - 1) - lr  # (B, T)  approx KL: http://joschu.net/blog/kl-approx.html
-        clipped = ((ratio < 1 - epsilon) | (ratio > 1 + epsilon_high)).float()  # (B, T)
-        return {"tokens": mask.sum(-1), "approx_kl": (approx_kl * mask).sum(-1),  # (B,) each
-                "clipped": (clipped * mask).sum(-1), "ratio_max": (ratio * mask).amax(-1)}
+        logprobs = logprobs.detach().float()  # (B, T)
+        weight, outside = importance_sampling_ratio(
+            logprobs, sampling_logprobs, mask,
+            c.get("vllm_importance_sampling_mode", "sequence_mask"),
+            c.get("vllm_importance_sampling_clip_max", 3.0),
+            c.get("vllm_importance_sampling_clip_min"))  # (B, T) or (B, 1) each
+        return {"log_ratio": log_ratio(logprobs, sampling_logprobs, mask),  # (B, T)
+                "weight": weight, "outside": outside}
 
 
 def all_finite(tensors):

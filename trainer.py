@@ -26,10 +26,14 @@ Logs on stdout: the first line says "resumed from step S, version V" or "startin
 "done: ...".
 
 Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
-1. The old policy is the replica's sampler: ratio = exp(logpi_theta - logp_sampler), with the
-   log-probs vLLM returned, not recomputed here (as TRL's AsyncGRPOTrainer). The ratio so also
-   absorbs the small mismatch between the inference engine's numerics and the trainer's. A step
-   whose loss or gradient is not finite is skipped (the same weights are published again).
+1. By default the old policy is the replica's sampler (--old-logprobs sampler, as TRL's
+   AsyncGRPOTrainer): ratio = exp(logpi_theta - logp_sampler) with the log-probs vLLM returned,
+   so the ratio also absorbs staleness and the engines' numerical mismatch. --old-logprobs
+   learner is TRL's GRPOTrainer with vLLM: the ratio against this forward's log-probs, detached
+   (no second forward), the loss weighted by exp(logp_old - logp_sampler) as
+   --vllm-importance-sampling-* say (grpo_loss.py's departure 2). Either way each step records
+   the sampler/learner gap by staleness (sampling/*). A step whose loss or gradient is not
+   finite is skipped (the same weights are published again).
 2. Groups may be up to max_staleness versions old (the proxy drops older ones); one version is
    one optimizer step (after a resume the numbers jump past any version the bucket has seen).
 3. One optimizer step per batch (TRL's num_iterations = 1, mu = 1 in the paper).
@@ -156,7 +160,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                               epsilon=0.2, epsilon_high=None, beta=0.0,
                               max_completion_length=None, temperature=1.0, delta=None,
                               version=None, use_bias_correction_kl=True,
-                              mask_truncated_completions=False):
+                              mask_truncated_completions=False, correction=None):
     """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
 
     Each micro-batch's loss is weighted (grpo_loss.microbatch_weight) so that the sum is the loss
@@ -165,13 +169,15 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     sequences and tokens stay in every normaliser, so the gradient is TRL's (which keeps them).
     mask_truncated_completions: TRL zeroes the completion mask of those without EOS: their tokens
     leave the loss and the token counts, their rows stay in grpo's and dr_grpo's row counts.
+    correction: grpo_loss.sampler_correction's keywords (TRL's names, --old-logprobs and the
+    --vllm-importance-sampling-* flags): where the sampler's log-probs enter the loss.
     Returns StepStats.result's dict (loss, ratios, approx_kl, clip fractions, ...), and finite:
     False when the loss or a LoRA gradient is inf or NaN (then the optimizer must not step).
     """
     device = next(model.parameters()).device
     masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
     total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
-    record = StepStats(seqs, version, beta)
+    record = StepStats(seqs, version, beta, epsilon, epsilon_high)
     for idx in microbatches:
         # masked: no loss; grpo and dr_grpo still divide by all B rows
         idx = [i for i in idx if i not in masked]
@@ -182,25 +188,30 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                    for i in g]
         if not idx:
             continue
-        old, mask = completion_tensors(seqs, idx, device)  # (n, C) (n, C)
+        sampled, mask = completion_tensors(seqs, idx, device)  # (n, C) the sampler's, (n, C)
         # = plain_logprobs(model, seqs, idx, temperature), faster
         logps = plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature)
         ref = None
         if beta > 0:
             with torch.no_grad(), model.disable_adapter():  # (n, C) the base model's
                 ref = plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature)
+        # the sampler's log-probs: the old policy, or a weight on the loss (--old-logprobs
+        # learner: old = logps.detach(), the learner's at this step's weights, no 2nd forward)
+        adv = advantages[idx].to(device)  # (n,)
+        weights = grpo_loss.sampler_correction(logps, sampled, adv, mask, **(correction or {}))
         # the loss of this micro-batch, normalised as loss_type says (dapo: by the whole step's
-        # tokens, bnpo: by this micro-batch's)
+        # tokens, bnpo: by this micro-batch's); weights: old_logprobs and the two weights
         loss, stats = grpo_loss.policy_loss(
-            logps, old, advantages[idx].to(device), mask, epsilon=epsilon,
+            logps, advantages=adv, mask=mask, epsilon=epsilon,
             epsilon_high=epsilon_high, loss_type=loss_type,
             max_completion_length=max_completion_length, ref_logprobs=ref, beta=beta,
             num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type), delta=delta,
-            use_bias_correction_kl=use_bias_correction_kl)
+            use_bias_correction_kl=use_bias_correction_kl, **weights)
         weight = grpo_loss.microbatch_weight(loss_type, mask, len(seqs), len(microbatches))
         (loss * weight).backward()
         record.add(idx, mask, loss.item() * weight, stats,  # the step's statistics, per row:
-                   grpo_loss.offpolicy_stats(logps, old, mask, epsilon, epsilon_high))
+                   grpo_loss.offpolicy_stats(logps, sampled, mask, correction),
+                   weights["off_policy_mask"])
     out = record.result()
     out["finite"] = math.isfinite(out["loss"]) and grpo_loss.all_finite(  # each on its own device
         [p.grad for p in model.parameters() if p.requires_grad])
@@ -289,7 +300,8 @@ def train(args):
                                           args.epsilon, args.epsilon_high, args.beta,
                                           args.max_completion_length, args.temperature,
                                           args.delta, version, args.use_bias_correction_kl,
-                                          args.mask_truncated_completions)
+                                          args.mask_truncated_completions,
+                                          {k: getattr(args, k) for k in grpo_loss.CORRECTION})
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm)
         grad_norm = grad_norm.item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)

@@ -49,6 +49,27 @@ def trainer_args(argv=None, description=None):
       help="with --beta > 0: multiply the per-token KL by the importance ratio (TRL's default: on)")
     a("--mask-truncated-completions", action="store_true",
       help="leave completions that ended without EOS out of the loss (TRL's; default: off)")
+    # where the sampler's log-probs enter the loss (grpo_loss.sampler_correction; TRL's names)
+    a("--old-logprobs", default="sampler", choices=["sampler", "learner"],
+      help="the ratio's old policy. sampler: the replica's log-probs, no weight (TRL's "
+           "AsyncGRPOTrainer; the default until a multi-seed comparison decides). learner: the "
+           "trainer's own at this step (no extra forward), the loss weighted as below (TRL's "
+           "GRPOTrainer with vLLM)")
+    a("--vllm-importance-sampling-correction", action=argparse.BooleanOptionalAction,
+      default=True, help="with --old-logprobs learner: weight each token's loss by "
+      "pi_learner / pi_sampler (TRL's default: on); the weights are logged in either mode")
+    a("--vllm-importance-sampling-mode", default="sequence_mask",
+      choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+      help="token_*: a weight per token, sequence_*: one per completion (the product); "
+           "*_truncate: held in [min, max], *_mask: 0 outside it (TRL's default: sequence_mask)")
+    a("--vllm-importance-sampling-clip-max", type=delta_or_none, default=3.0,
+      help="the weight's upper bound C_max ('none': no bound; TRL's default 3.0)")
+    a("--vllm-importance-sampling-clip-min", type=delta_or_none, default=None,
+      help="the weight's lower bound C_min (default none, as TRL)")
+    a("--off-policy-mask-threshold", type=delta_or_none, default=None,
+      help="DeepSeek-V3.2's off-policy sequence mask: leave out a completion with negative "
+           "advantage whose mean log(pi_sampler / pi_learner) is above this, e.g. 0.5 "
+           "(default none: off, as TRL)")
     a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"],
       help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"],
@@ -89,6 +110,12 @@ def trainer_args(argv=None, description=None):
     if args.delta is not None and not args.delta >= 1 + high:
         sys.exit(f"trainer.py: error: --delta {args.delta:g} must be >= 1 + epsilon_high = "
                  f"{1 + high:g} (raise it, or --delta none to turn TRL's two-sided clip off)")
+    lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if (None not in (lo, hi) and lo >= hi) or (
+            (lo, hi) == (None, None) and args.vllm_importance_sampling_mode.endswith("truncate")):
+        sys.exit(f"trainer.py: error: --vllm-importance-sampling-clip-min {lo} and -max {hi}: "
+                 "min must be below max, and a *_truncate mode needs one of them (as TRL's "
+                 "GRPOConfig; defaults: none and 3.0)")
     return args
 
 
@@ -119,6 +146,10 @@ def replica_args(argv=None):
       help="most prompts per generate call (0: the proxy's whole quota)")
     a("--engine", default="auto", choices=["auto", "vllm", "hf"],
       help="auto: vllm on a GPU, else hf")
+    a("--dtype", choices=["float32", "bfloat16", "float16"],
+      help="--engine hf: the weights' dtype (default: the card's, as the trainer's: bfloat16, "
+           "float16 below compute capability 8.0, float32 on a CPU; vllm ignores it). bfloat16 "
+           "against an fp32 trainer: a real sampler/learner mismatch (docs/sampler-mismatch.md)")
     a("--replica-id", type=int, default=0, help="this replica's index, 0..num-replicas-1")
     a("--num-replicas", type=int, default=1,
       help="replicas in total (each takes its own slice of prompts)")

@@ -172,19 +172,19 @@ class HFEngine:
     # override a checkpoint's generation_config: sample from the model's distribution as it is
     PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)
 
-    def __init__(self, model, seed=0, batch_size=256, fast=True):
+    def __init__(self, model, seed=0, batch_size=256, fast=True, dtype=None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(seed)
         self.torch, self.device = torch, "cuda" if torch.cuda.is_available() else "cpu"
-        # The card's dtype (card_dtype, the trainer's rule too): bf16 on a GPU of capability
-        # >= 8.0 (half the memory, what vLLM serves), fp16 below, fp32 on a CPU (bf16 matmuls are
-        # slow there). The log-probs are always computed in fp32 from the logits.
+        # dtype (rollout.py --dtype): "float32", "bfloat16" or "float16"; None: the card's
+        # (card_dtype, the trainer's rule too: bf16 on a GPU of capability >= 8.0, fp16 below,
+        # fp32 on a CPU, where bf16 matmuls are slow). Log-probs are computed in fp32 from logits.
         # Every tensor made here is made on self.device, or on the device of what it meets.
         gpu = self.device == "cuda"
-        dtype = getattr(torch, card_dtype(torch.cuda.get_device_capability() if gpu else None,
-                                          "replica"))
+        dtype = getattr(torch, dtype or card_dtype(
+            torch.cuda.get_device_capability() if gpu else None, "replica"))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = self.model.to(self.device).eval()
@@ -411,7 +411,7 @@ def make_engine(args, lora_rank):
         return VLLMEngine(args.model, max_lora_rank=args.max_lora_rank or lora_rank, seed=seed,
                           dtype=dtype, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
-    engine = HFEngine(args.model, seed=seed)
+    engine = HFEngine(args.model, seed=seed, dtype=args.dtype)
     print(f"[replica-{args.replica_id}] engine: hf on {engine.device} ({why}), "
           f"{str(engine.model.dtype).removeprefix('torch.')}", flush=True)
     return engine

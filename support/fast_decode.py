@@ -195,9 +195,13 @@ class FastDecoder:
             y = y if bias is None else y.add_(bias)
         else:
             y = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
-        if A is not None:
-            y.addmm_(F.linear(x, A), B_t)  # (rows, out) += (rows, k*r) @ (k*r, out)
-        return y
+        if A is None:
+            return y
+        if A.dtype == y.dtype:
+            return y.addmm_(F.linear(x, A), B_t)  # (rows, out) += (rows, k*r) @ (k*r, out)
+        # a bf16 model, its LoRA in fp32 (peft's autocast_adapter_dtype): the LoRA term in fp32
+        # and the sum rounded to the model's dtype, as peft's Linear computes it
+        return (y + F.linear(x.to(A.dtype), A) @ B_t).to(y.dtype)  # (rows, out)
 
     def forward(self, tokens, cos, sin, attend):
         """The layers on tokens (N,) with the rotary cos, sin (N, 1, d); attend(i, q, k, v), with

@@ -17,7 +17,43 @@ from support.shared_prompt import by_group
 ABSURD_RATIO = 1e3  # no sampler's honest mismatch: a group with a ratio above it is named (dep. 8)
 
 
-STAT_COLUMNS = ("tokens", "approx_kl", "clipped", "ratio_max")  # grpo_loss.offpolicy_stats, per row
+STAT_COLUMNS = ("tokens", "approx_kl", "clipped", "ratio_max", "logp_diff", "logp_diff_max",
+                "is_count", "is_sum", "is_min", "is_max", "is_outside",
+                "off_policy_masked")  # row_columns, per row
+# The sampler/learner mismatch, TRL's names (grpo_trainer.py ~2862-2895) and two of ours
+LOGP_DIFF = "sampling/sampling_logp_difference/"  # + mean, max: |logp_theta - logp_sampler|
+IS_RATIO = "sampling/importance_sampling_ratio/"  # + min, mean, max, outside_frac (ours)
+OPM_MASKED = "sampling/off_policy_mask/masked_frac"  # ours: completions off_policy_mask drops
+
+
+def row_columns(offpolicy, mask, epsilon=0.2, epsilon_high=None, off_policy_mask=None):
+    """grpo_loss.offpolicy_stats's tensors, mask (B, T) and off_policy_mask ((B, 1) or None) ->
+    STAT_COLUMNS, each (B,): "tokens" (completion tokens); sums over them of "approx_kl",
+    CleanRL's k3 estimate of KL(pi_sampler || pi_theta), (r - 1) - log r with r = pi_theta /
+    pi_sampler, of "clipped", tokens whose r lies outside [1 - epsilon, 1 + epsilon_high] whatever
+    the advantage's sign (CleanRL's clipfrac), and of "logp_diff", |log r| (TRL's
+    sampling_logp_difference; log r held at 20 as grpo_loss.log_ratio holds it); the row's largest "ratio_max" and "logp_diff_max" (0 if empty);
+    the weights, per token or per completion (sequence_*) as TRL counts them: "is_count", "is_sum",
+    "is_min", "is_max" (inf / 0 with none), "is_outside" (outside [clip_min, clip_max]: masked or
+    truncated); "off_policy_masked" (1: off_policy_mask leaves the row out)."""
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = mask.float()  # (B, T)
+    lr, weight = offpolicy["log_ratio"], offpolicy["weight"]  # (B, T), (B, T) or (B, 1)
+    ratio = lr.exp()  # (B, T)
+    approx_kl = (ratio - 1) - lr  # (B, T)  approx KL: http://joschu.net/blog/kl-approx.html
+    clipped = ((ratio < 1 - epsilon) | (ratio > 1 + epsilon_high)).float()  # (B, T)
+    diff = lr.abs() * mask  # (B, T)  TRL: torch.abs(old_per_token_logps - sampling_...)
+    # TRL's statistics of the weights: over the tokens (token_*), over the sequences (sequence_*)
+    at = mask.bool() if weight.shape[1] > 1 else torch.ones_like(weight, dtype=torch.bool)
+    dropped = (torch.zeros_like(mask[:, 0]) if off_policy_mask is None
+               else 1.0 - off_policy_mask.float()[:, 0])  # (B,)
+    return {"tokens": mask.sum(-1), "approx_kl": (approx_kl * mask).sum(-1),  # (B,) each
+            "clipped": (clipped * mask).sum(-1), "ratio_max": (ratio * mask).amax(-1),
+            "logp_diff": diff.sum(-1), "logp_diff_max": diff.amax(-1),
+            "is_count": at.float().sum(-1), "is_sum": torch.where(at, weight, 0.0).sum(-1),
+            "is_min": torch.where(at, weight, float("inf")).amin(-1),
+            "is_max": torch.where(at, weight, 0.0).amax(-1),
+            "is_outside": (offpolicy["outside"] & at).float().sum(-1), "off_policy_masked": dropped}
 
 
 class StepStats:
@@ -25,13 +61,15 @@ class StepStats:
     trainer.compute_loss_and_backward (add), over the forwarded completions (result).
     staleness = version - policy_version (0 if no version)."""
 
-    def __init__(self, seqs, version=None, beta=0.0):
+    def __init__(self, seqs, version=None, beta=0.0, epsilon=0.2, epsilon_high=None):
         self.seqs, self.version, self.beta = seqs, version, beta
+        self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.sums, self.rows, self.row_groups, self.forwarded = {"loss": 0.0}, [], [], 0
 
-    def add(self, idx, mask, loss, stats, per_row):
+    def add(self, idx, mask, loss, stats, offpolicy, off_policy_mask=None):
         """One micro-batch: rows idx, its completion mask (n, C), its weighted loss (a float),
-        policy_loss's stats and grpo_loss.offpolicy_stats's per-row columns (STAT_COLUMNS)."""
+        policy_loss's stats, grpo_loss.offpolicy_stats's tensors and off_policy_mask (n, 1) or
+        None; kept per row (row_columns)."""
         self.forwarded += len(by_group(self.seqs, idx))
         self.sums["loss"] += loss
         n = float(mask.sum())  # the stats: token-weighted means over the micro-batches
@@ -40,34 +78,51 @@ class StepStats:
         stale = torch.tensor([0 if self.version is None
                               else self.version - self.seqs[i]["policy_version"]
                               for i in idx])  # (n,)
+        per_row = row_columns(offpolicy, mask, self.epsilon, self.epsilon_high, off_policy_mask)
         columns = [stale.to(per_row["tokens"])] + [per_row[k] for k in STAT_COLUMNS]
-        self.rows.append(torch.stack(columns, 1).cpu())  # (n, 5)
+        self.rows.append(torch.stack(columns, 1).cpu())  # (n, 1 + len(STAT_COLUMNS))
         self.row_groups += [self.seqs[i]["group"] for i in idx]
 
     def result(self):
         """A dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max
         (ratio_mean and ratio_max are None when no group was forwarded: every advantage was 0),
-        approx_kl, clip_frac, by_staleness {"0": {"approx_kl", "clip_frac", "tokens"}, ...},
-        groups_forwarded, absurd_ratio {group index: its largest ratio} for the groups whose ratio
-        exceeds ABSURD_RATIO."""
-        table = torch.cat(self.rows) if self.rows else torch.zeros(0, 5)  # (rows, 5)
-        stale, tokens, approx_kl, clipped, ratio_max = table.unbind(1)  # each (rows,)
+        the summary below over all forwarded rows, by_staleness {"0": {the summary, "tokens"},
+        "1": ...}, groups_forwarded, absurd_ratio {group index: its largest ratio} for the groups
+        whose ratio exceeds ABSURD_RATIO. The summary: approx_kl, clip_frac (token means),
+        LOGP_DIFF mean (a token mean) and max, IS_RATIO min, mean, max and outside_frac (over
+        tokens, or over completions for a sequence_* mode, as TRL; 0 with none), OPM_MASKED."""
+        table = torch.cat(self.rows) if self.rows else torch.zeros(0, 1 + len(STAT_COLUMNS))
+        stale, *cols = table.unbind(1)  # each (rows,)
+        col = dict(zip(STAT_COLUMNS, cols))
 
-        def summary(sel):  # (rows,) bool -> token-weighted means over the selected rows
-            n = tokens[sel].sum()
-            return {"approx_kl": (approx_kl[sel].sum() / n.clamp(min=1)).item(),
-                    "clip_frac": (clipped[sel].sum() / n.clamp(min=1)).item(), "tokens": int(n)}
+        def extreme(v, f):  # f = torch.min or torch.max of v; TRL's 0 when v is empty
+            return f(v).item() if len(v) else 0.0
+
+        def summary(sel):  # (rows,) bool -> the summary over the selected rows
+            c = {k: v[sel] for k, v in col.items()}
+            n, m = c["tokens"].sum().clamp(min=1), c["is_count"].sum().clamp(min=1)
+            has = c["is_count"] > 0  # (rows,) rows with a weight
+            return {"approx_kl": (c["approx_kl"].sum() / n).item(),
+                    "clip_frac": (c["clipped"].sum() / n).item(), "tokens": int(c["tokens"].sum()),
+                    LOGP_DIFF + "mean": (c["logp_diff"].sum() / n).item(),
+                    LOGP_DIFF + "max": extreme(c["logp_diff_max"], torch.max),
+                    IS_RATIO + "min": extreme(c["is_min"][has], torch.min),
+                    IS_RATIO + "mean": (c["is_sum"].sum() / m).item(),
+                    IS_RATIO + "max": extreme(c["is_max"][has], torch.max),
+                    IS_RATIO + "outside_frac": (c["is_outside"].sum() / m).item(),
+                    OPM_MASKED: c["off_policy_masked"].mean().item() if int(sel.sum()) else 0.0}
 
         out = {"ratio_mean": None, "clip_low_frac": 0.0, "clip_high_frac": 0.0,
                **({"kl": 0.0} if self.beta else {}),
-               **{k: v if k == "loss" else v / max(float(tokens.sum()), 1.0)
+               **{k: v if k == "loss" else v / max(float(col["tokens"].sum()), 1.0)
                   for k, v in self.sums.items()},
-               **summary(stale >= 0), "ratio_max": ratio_max.max().item() if len(stale) else None,
+               **summary(stale >= 0),
+               "ratio_max": col["ratio_max"].max().item() if len(stale) else None,
                "by_staleness": {str(int(s)): summary(stale == s) for s in stale.unique().tolist()},
                "groups_forwarded": self.forwarded}
         del out["tokens"]
         absurd = {}  # group index -> its largest ratio, for the groups over ABSURD_RATIO
-        for k, r in zip(self.row_groups, ratio_max.tolist()):
+        for k, r in zip(self.row_groups, col["ratio_max"].tolist()):
             if r > ABSURD_RATIO:
                 absurd[k] = max(r, absurd.get(k, 0.0))
         out["absurd_ratio"] = absurd
@@ -118,6 +173,8 @@ def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite
           f"{rec['reward_std']:.3f} | groups {len(groups)} ({flat} all-equal) | stale "
           f"{rec['staleness_mean']:.2f}/{rec['staleness_max']} | loss {rec['loss']:.4f} ratio "
           f"{rec['ratio_mean'] or 1:.4f} (max {rec['ratio_max'] or 1:.2f}) approx_kl "
-          f"{rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}{kl} | gnorm {grad_norm:.3f} | "
+          f"{rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}{kl} | sampler |dlogp| "
+          f"{rec[LOGP_DIFF + 'mean']:.4f} is_out {rec[IS_RATIO + 'outside_frac']:.3f} | "
+          f"gnorm {grad_norm:.3f} | "
           f"wait {rec['wait_s']:.2f}s compute {rec['compute_s']:.2f}s "
           f"{rec['tokens_per_s']:.0f} tok/s")

@@ -18,6 +18,12 @@ The loss example: 2 groups of 2 completions, 3 token positions, epsilon = 0.2 (c
     dapo    = 0.65 / 9 (num_tokens defaults to the mask sum), = 0.65 / 13 = 0.05 with num_tokens=13
     d loss / d logprob = -A * r on unclipped tokens (d r / d logprob = r), 0 where clipped or
     masked, times the same normaliser.
+
+Below them, --old-logprobs learner (TRL's GRPOTrainer with vLLM): TRL 1.16's lines written out
+(trl_importance_sampling_ratio, trl_get_off_policy_mask, trl_compute_loss, each line with its
+number in trl/trainer/grpo_trainer.py), the weights by hand, the loss and gradient against TRL's
+in every mode, and a whole trainer step on the tiny model. With trl importable (PYTHONPATH=<the
+unpacked trl-1.16.0 wheel>/src), the written-out loss is also checked against TRL's own method.
 """
 
 import math
@@ -25,8 +31,10 @@ import math
 import pytest
 import torch
 
-from grpo_loss import (LOG_RATIO_MAX, all_finite, group_advantages, microbatch_weight, offpolicy_stats, policy_loss,
-                       token_logprobs)
+from grpo_loss import (IS_MODES, LOG_RATIO_MAX, LOSS_TYPES, all_finite, group_advantages,
+                       importance_sampling_ratio, microbatch_weight, off_policy_mask,
+                       offpolicy_stats, policy_loss, sampler_correction, token_logprobs)
+from support.step_record import row_columns
 
 A = torch.tensor([1.0, -1.0, 0.5, -0.5])  # (B,)
 RATIO = torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.5, 9.9], [1.1, 7.0, 7.0], [1.0, 0.9, 1.3]])  # (B, T)
@@ -283,7 +291,7 @@ def test_offpolicy_stats_by_hand():
     old = torch.zeros(2, 3)  # (2, 3)
     logprobs = torch.tensor([[0.0, ln2, -ln2], [math.log(1.1), 5.0, 5.0]])  # (2, 3)
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])  # (2, 3)
-    got = offpolicy_stats(logprobs, old, mask, epsilon=0.2)
+    got = row_columns(offpolicy_stats(logprobs, old, mask), mask, epsilon=0.2)
     torch.testing.assert_close(got["tokens"], torch.tensor([3.0, 1.0]))
     torch.testing.assert_close(got["approx_kl"], torch.tensor([0.5, 0.1 - math.log(1.1)]))  # 1 - ln2 + ln2 - 0.5
     torch.testing.assert_close(got["clipped"], torch.tensor([2.0, 0.0]))
@@ -301,3 +309,405 @@ def test_all_finite_mixes_devices():
     """The trainer checks a CPU loss with CUDA gradients: each device's flags are reduced on it."""
     assert all_finite([torch.tensor(1.0), torch.ones(3, device="cuda"), torch.zeros(2)])
     assert not all_finite([torch.tensor(1.0), torch.tensor([float("nan")], device="cuda")])
+
+
+# ---- Where the sampler's log-probs enter: TRL 1.16's GRPOTrainer with vLLM, written out.
+# Each reference line is copied from trl==1.16.0's trl/trainer/grpo_trainer.py (the line number
+# beside it), self.* replaced by an argument. trainer.py --old-logprobs learner must equal it.
+
+def trl_importance_sampling_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode,
+                                  clip_min, clip_max):
+    """grpo_trainer.py 2660-2705 (_generate_and_score_completions)."""
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask  # 2662
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)  # 2665
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]  # 2667
+    if sequence_level_is:
+        per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)  # 2669
+        logps_diff = per_sequence_logps_diff
+    else:
+        logps_diff = per_token_logps_diff
+    vllm_importance_sampling_ratio = torch.exp(logps_diff)  # 2674
+    if mode in ["sequence_truncate", "token_truncate"]:  # 2680
+        vllm_importance_sampling_ratio = torch.clamp(vllm_importance_sampling_ratio,
+                                                     min=clip_min, max=clip_max)  # 2681-2685
+    else:  # sequence_mask, token_mask
+        min_val = clip_min if clip_min is not None else -math.inf  # 2687-2691
+        max_val = clip_max if clip_max is not None else math.inf  # 2692-2696
+        invalid_mis_mask = ((vllm_importance_sampling_ratio < min_val)
+                            | (vllm_importance_sampling_ratio > max_val))  # 2698-2700
+        vllm_importance_sampling_ratio = vllm_importance_sampling_ratio.masked_fill(
+            invalid_mis_mask, value=0.0)  # 2701-2703
+    return vllm_importance_sampling_ratio
+
+
+def trl_get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                            off_policy_threshold):
+    """grpo_trainer.py 2945-2968 (a static method)."""
+    kl_div = sampling_per_token_logps - per_token_logps.detach()  # 2957
+    kl_div = torch.nan_to_num(kl_div, nan=0.0)  # 2961
+    seq_kl_sum = (kl_div * mask).sum(dim=1, keepdim=True)  # 2963
+    avg_seq_kl = seq_kl_sum / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # 2964
+    is_pos_adv = advantages >= 0  # 2966
+    is_low_kl = avg_seq_kl <= off_policy_threshold  # 2967
+    return (is_pos_adv | is_low_kl).to(dtype=mask.dtype)  # 2968
+
+
+def trl_compute_loss(per_token_logps, old_per_token_logps, sampling_per_token_logps, advantages,
+                     mask, importance_sampling_ratio, loss_type, epsilon_low=0.2,
+                     epsilon_high=0.28, delta=None, beta=0.0, ref_per_token_logps=None,
+                     off_policy_mask_threshold=None, max_completion_length=None):
+    """grpo_trainer.py 3031-3173 (_compute_loss) for TRL's defaults importance_sampling_level
+    "token", use_bias_correction_kl=True, top_entropy_quantile=1.0, one process, no gradient
+    accumulation; vLLM on with vllm_importance_sampling_correction (None: off)."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # 3061
+    if off_policy_mask_threshold is not None:
+        off_policy_mask = trl_get_off_policy_mask(advantages, per_token_logps,
+                                                  sampling_per_token_logps, mask,
+                                                  off_policy_mask_threshold)  # 3075-3081
+    log_ratio = per_token_logps - old_per_token_logps  # 3083
+    log_importance_weights = log_ratio  # 3085
+    coef_1 = torch.exp(log_importance_weights)  # 3095
+    if beta != 0.0:
+        per_token_kl = (torch.exp(ref_per_token_logps - per_token_logps)
+                        - (ref_per_token_logps - per_token_logps) - 1)  # 3100-3102
+        per_token_kl = per_token_kl * coef_1  # 3105: use_bias_correction_kl
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)  # 3113
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)  # 3116
+    per_token_loss1 = coef_1 * advantages  # 3118
+    per_token_loss2 = coef_2 * advantages  # 3119
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)  # 3120
+    if off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask  # 3141
+    if importance_sampling_ratio is not None:
+        per_token_loss = per_token_loss * importance_sampling_ratio  # 3147
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl  # 3150
+    if loss_type == "grpo":
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()  # 3154
+    if loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # 3159
+    if loss_type == "dr_grpo":  # 3164
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+    normalizer = mask.sum().clamp(min=1.0)  # 3170: num_items_in_batch, one process
+    return (per_token_loss * mask).sum() / normalizer  # 3173
+
+
+# The importance weights by hand. d = learner - sampler log-prob per token:
+#   row 0: d = ln 4, 0, -ln 2      token ratios 4, 1, 0.5   sequence: e^(ln 2) = 2
+#   row 1: d = ln 2, ln 2, (pad)   token ratios 2, 2        sequence: e^(ln 4) = 4
+# with clip_min 0.6 and clip_max 3 (TRL's default max):
+IS_D = torch.tensor([[math.log(4.0), 0.0, -math.log(2.0)], [math.log(2.0), math.log(2.0), 9.0]])
+IS_MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+IS_BY_HAND = {  # mode -> (weights with clip_min 0.6, weights with clip_min None); padding: any
+    "token_truncate": ([[3.0, 1.0, 0.6], [2.0, 2.0]], [[3.0, 1.0, 0.5], [2.0, 2.0]]),
+    "token_mask": ([[0.0, 1.0, 0.0], [2.0, 2.0]], [[0.0, 1.0, 0.5], [2.0, 2.0]]),
+    "sequence_truncate": ([[2.0], [3.0]], [[2.0], [3.0]]),
+    "sequence_mask": ([[2.0], [0.0]], [[2.0], [0.0]]),
+}
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+@pytest.mark.parametrize("clip_min", [0.6, None])
+def test_importance_sampling_ratio_by_hand_in_each_mode(mode, clip_min):
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]])  # (2, 3) the learner's
+    sampling = old - IS_D  # (2, 3) the sampler's: bigger and smaller than the learner's
+    ratio, outside = importance_sampling_ratio(old, sampling, IS_MASK, mode, 3.0, clip_min)
+    want = IS_BY_HAND[mode][clip_min is None]
+    for r in range(2):
+        got = ratio[r, :3 - r] if mode.startswith("token") else ratio[r]
+        torch.testing.assert_close(got, torch.tensor(want[r]), atol=1e-6, rtol=1e-6)
+    if mode.startswith("token"):  # 4 > 3 above; 0.5 < 0.6 below
+        assert outside[IS_MASK.bool()].tolist() == [True, False, clip_min is not None, False, False]
+    else:  # 4 > 3: the second sequence
+        assert outside.squeeze(1).tolist() == [False, True]
+    torch.testing.assert_close(  # TRL's lines give the same, padding excepted
+        ratio * (IS_MASK if mode.startswith("token") else 1),
+        trl_importance_sampling_ratio(old, sampling, IS_MASK, mode, clip_min, 3.0)
+        * (IS_MASK if mode.startswith("token") else 1))
+
+
+def test_off_policy_mask_by_hand():
+    # mean(sampler - learner) per row: 0.5, 0.05, 0.5, 0.05; threshold 0.1
+    # advantages -1, -1, +1, 0: row 0 only is dropped (negative advantage and far from the sampler)
+    logprobs = torch.zeros(4, 2)  # (4, 2)
+    sampling = torch.tensor([[0.4, 0.6], [0.1, 0.0], [0.5, 0.5], [0.1, 7.0]])  # (4, 2) pad 7.0
+    mask = torch.tensor([[1.0, 1], [1, 1], [1, 1], [1, 0]])
+    adv = torch.tensor([-1.0, -1.0, 1.0, 0.0])
+    got = off_policy_mask(adv, logprobs, sampling, mask, 0.1)  # (4, 1)
+    torch.testing.assert_close(got, torch.tensor([[0.0], [1.0], [1.0], [1.0]]))
+    torch.testing.assert_close(got, trl_get_off_policy_mask(adv.unsqueeze(1), logprobs, sampling,
+                                                            mask, 0.1))
+
+
+def test_learner_gradient_by_hand_the_weight_times_the_on_policy_gradient():
+    # --old-logprobs learner: old = logps.detach(), so the ratio is 1 and nothing is clipped; each
+    # token's gradient is -A * w / N with w its weight (token_truncate, clip [0.6, 3]: IS_BY_HAND).
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0])
+    w = sampler_correction(logprobs, logprobs.detach() - IS_D, adv, IS_MASK, "learner",
+                           vllm_importance_sampling_mode="token_truncate",
+                           vllm_importance_sampling_clip_min=0.6)
+    assert torch.equal(w["old_logprobs"], logprobs.detach()) and w["off_policy_mask"] is None
+    loss, stats = policy_loss(logprobs, advantages=adv, mask=IS_MASK, loss_type="dapo", **w)
+    loss.backward()
+    weight = torch.tensor([[3.0, 1.0, 0.6], [2.0, 2.0, 0.0]])  # (2, 3) 0: padding
+    torch.testing.assert_close(logprobs.grad, -adv.unsqueeze(1) * weight * IS_MASK / 5)
+    assert loss.item() == pytest.approx((-(3 + 1 + 0.6) + 2 * (2 + 2)) / 5)
+    assert stats["ratio_mean"] == 1.0 and stats["clip_low_frac"] == stats["clip_high_frac"] == 0
+
+
+def test_sampler_mode_is_the_ratio_against_the_sampler_and_no_weight():
+    logprobs, old = example()
+    w = sampler_correction(logprobs, old, A, MASK)  # the default: "sampler"
+    assert w == {"old_logprobs": old, "importance_sampling_ratio": None, "off_policy_mask": None}
+    loss, _ = policy_loss(logprobs, advantages=A, mask=MASK, loss_type="bnpo", **w)
+    assert loss.item() == pytest.approx(EXPECTED["bnpo"][0], abs=1e-6)  # the table at the top
+    with pytest.raises(ValueError, match="old_logprobs must be one of"):
+        sampler_correction(logprobs, old, A, MASK, "behaviour")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of"):
+        importance_sampling_ratio(old, old, MASK, "token")
+
+
+def mismatch_batch(seed=0):
+    """6 completions (2 groups of 3), up to 5 tokens, from parameters theta; the sampler's
+    log-probs are the learner's -2 .. +2 nats off, so that weights pass both clip bounds, per
+    token and per sequence."""
+    torch.manual_seed(seed)
+    B, T, V = 6, 5, 7
+    theta = torch.randn(B, T, V, requires_grad=True)  # (B, T, V)
+    ids = torch.randint(0, V, (B, T))  # (B, T)
+    lengths = torch.tensor([5, 2, 4, 1, 5, 3])
+    mask = (torch.arange(T) < lengths.unsqueeze(1)).float()  # (B, T)
+    noise = torch.tensor([[1.5, -0.2, 0.1, 0.3, -0.1], [-1.8, 0.2, 0, 0, 0],
+                          [0.8, -0.1, 0.1, -0.05, 0], [2.0, 0, 0, 0, 0],
+                          [-0.4, -0.5, -0.3, -0.6, -0.2], [0.1, 0.2, -0.1, 0, 0]])  # (B, T)
+    sampling = token_logprobs(theta.detach(), ids) - noise  # (B, T) the sampler's
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.5]), 3)  # (B,)
+    return theta, ids, mask, sampling, adv
+
+
+@pytest.mark.parametrize("clip_min,threshold", [(None, None), (0.5, 0.1)])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_learner_mode_equals_trl_grpo_trainer(mode, loss_type, beta, clip_min, threshold):
+    """The loss and its gradient of --old-logprobs learner against TRL's lines above, given the
+    same sampling_per_token_logps; TRL's old log-probs from a separate no-grad forward."""
+    theta, ids, mask, sampling, adv = mismatch_batch()
+    ref = token_logprobs(theta.detach() * 0.9, ids)  # (B, T) another policy as the reference
+    kw = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, delta=2.0, beta=beta,
+              max_completion_length=5)
+    knobs = dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=3.0,
+                 vllm_importance_sampling_clip_min=clip_min, off_policy_mask_threshold=threshold)
+
+    logps = token_logprobs(theta, ids)  # (B, T) ours: one forward
+    w = sampler_correction(logps, sampling, adv, mask, "learner", **knobs)
+    loss, _ = policy_loss(logps, advantages=adv, mask=mask, ref_logprobs=ref, **kw, **w)
+    g_ours, = torch.autograd.grad(loss, theta)
+
+    with torch.no_grad():  # TRL: old_per_token_logps from its own forward (2644), no gradient
+        old = token_logprobs(theta, ids)  # (B, T)
+    is_ratio = trl_importance_sampling_ratio(old, sampling, mask, mode, clip_min, 3.0)
+    per_token_logps = token_logprobs(theta, ids)  # (B, T) TRL: _compute_loss's forward
+    want = trl_compute_loss(per_token_logps, old, sampling, adv, mask, is_ratio, loss_type,
+                            delta=2.0, beta=beta, ref_per_token_logps=ref,
+                            off_policy_mask_threshold=threshold, max_completion_length=5)
+    g_want, = torch.autograd.grad(want, theta)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(g_ours, g_want, rtol=1e-5, atol=1e-7)
+
+    # the test can fail: the weights left 1 on both sides, and the mask dropped a row
+    _, outside = importance_sampling_ratio(old, sampling, mask, mode, 3.0, clip_min)
+    weights = is_ratio.expand_as(mask)[mask.bool()]
+    assert bool(outside.any()) and (weights > 1.5).any() and (weights < 0.9).any()
+    if clip_min is not None:
+        assert bool(((torch.exp(torch.where(mask.bool(), old - sampling, 0.0)) < clip_min)
+                     & mask.bool()).any()), "no token below clip_min"
+    if threshold is not None:
+        assert 0 < int((w["off_policy_mask"] == 0).sum()) < 6
+    no_weight, _ = policy_loss(logps, advantages=adv, mask=mask, ref_logprobs=ref, **kw,
+                               old_logprobs=logps.detach())
+    assert abs(no_weight.item() - loss.item()) > 1e-4, "the weight changed nothing"
+
+
+def test_offpolicy_stats_sampling_columns_by_hand():
+    # IS_D's rows: |learner - sampler| = ln 4, 0, ln 2 | ln 2, ln 2; weights as IS_BY_HAND
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]])  # (2, 3)
+    sampling = old - IS_D  # (2, 3)
+    ln2 = math.log(2.0)
+    for mode, is_count, is_sum, is_min, is_max, is_outside in [
+            ("token_mask", [3, 2], [1.0, 4.0], [0.0, 2.0], [1.0, 2.0], [2, 0]),
+            ("sequence_truncate", [1, 1], [2.0, 3.0], [2.0, 3.0], [2.0, 3.0], [0, 1])]:
+        got = row_columns(offpolicy_stats(old, sampling, IS_MASK, correction={
+            "vllm_importance_sampling_mode": mode, "vllm_importance_sampling_clip_min": 0.6}),
+            IS_MASK, off_policy_mask=torch.tensor([[0.0], [1.0]]))
+        torch.testing.assert_close(got["logp_diff"], torch.tensor([3 * ln2, 2 * ln2]))
+        torch.testing.assert_close(got["logp_diff_max"], torch.tensor([2 * ln2, ln2]))
+        for key, want in [("is_count", is_count), ("is_sum", is_sum), ("is_min", is_min),
+                          ("is_max", is_max), ("is_outside", is_outside)]:
+            torch.testing.assert_close(got[key], torch.tensor(want, dtype=torch.float), msg=key)
+        torch.testing.assert_close(got["off_policy_masked"], torch.tensor([1.0, 0.0]))
+
+
+# ---- trainer.compute_loss_and_backward with --old-logprobs learner, on the tiny model's LoRA
+
+def tiny_step(model):
+    """3 groups of 4 from adapter versions 2, 1, 0 (the trainer at version 2: staleness 0, 1, 2),
+    prompts and completions of different lengths, one group with equal rewards; the sampler's
+    log-probs are the model's own (trainer.plain_logprobs) -1.5 .. +1.5 nats off."""
+    import random
+
+    import trainer
+
+    rng = random.Random(3)
+    groups = [{"prompt_ids": [rng.randrange(4, 100) for _ in range(rng.randint(3, 9))],
+               "policy_version": 2 - k, "group_id": f"g{k}", "worker": "w",
+               "completions": [{"ids": [rng.randrange(4, 100) for _ in range(rng.randint(1, 7))],
+                                "logprobs": [], "finish_reason": "stop",
+                                "reward": 1.0 if k == 2 else float((c + k) % 2)}
+                               for c in range(4)]} for k in range(3)]
+    seqs = trainer.flatten_groups(groups, 16)
+    with torch.no_grad():
+        lp = trainer.plain_logprobs(model, seqs, list(range(len(seqs))), 0.7)  # (B, C)
+    gen = torch.Generator().manual_seed(0)
+    for r, s in enumerate(seqs):
+        noise = (3 * torch.rand(len(s["ids"]), generator=gen) - 1.5).tolist()
+        s["logprobs"] = [min(a + b, 0.0) for a, b in zip(lp[r, :len(s["ids"])].tolist(), noise)]
+    return seqs
+
+
+@pytest.mark.parametrize("mode,beta", [("sequence_mask", 0.0), ("token_truncate", 0.04)])
+def test_learner_mode_step_one_forward_per_microbatch_and_trls_gradient(lora_model, mode, beta,
+                                                                       monkeypatch):
+    import trainer
+    from support import shared_prompt, trainer_state
+
+    model = lora_model
+    seqs = tiny_step(model)
+    advantages = group_advantages(torch.tensor([s["reward"] for s in seqs]), 4)  # (B,)
+    mbs = shared_prompt.make_microbatches(seqs, 40)
+    assert len(mbs) == 3
+    correction = {"old_logprobs": "learner", "vllm_importance_sampling_mode": mode,
+                  "vllm_importance_sampling_clip_min": 0.5}
+    calls = {"model": 0, "logprobs": 0}
+
+    def count_forward(module, args, kwargs):
+        calls["model"] += 1
+
+    def counted(*args, **kwargs):
+        calls["logprobs"] += 1
+        return shared_prompt.plain_logprobs_fast(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "plain_logprobs_fast", counted)
+    hook = model.register_forward_pre_hook(count_forward, with_kwargs=True)
+    try:
+        runs = {}
+        for old_logprobs in ("sampler", "learner"):
+            calls.update(model=0, logprobs=0)
+            model.zero_grad(set_to_none=True)
+            stats = trainer.compute_loss_and_backward(
+                model, seqs, advantages, mbs, epsilon_high=0.28, beta=beta, temperature=0.7,
+                delta=2.0, version=2, correction=dict(correction, old_logprobs=old_logprobs))
+            runs[old_logprobs] = (dict(calls), stats)
+    finally:
+        hook.remove()
+    (sampler_calls, _), (learner_calls, stats) = runs["sampler"], runs["learner"]
+    forwarded = len(mbs) - (beta == 0)  # beta 0: the equal-reward group's micro-batch is skipped
+    assert learner_calls == sampler_calls, "the learner's old log-probs cost a forward"
+    assert learner_calls["logprobs"] == forwarded * (2 if beta else 1)  # beta: + the reference
+    assert stats["finite"]
+    got = [p.grad.clone() for p in trainer_state.lora_parameters(model)]
+
+    # TRL: the old log-probs from a no-grad forward, the weights, _compute_loss on the whole step
+    model.zero_grad(set_to_none=True)
+    every = list(range(len(seqs)))
+    C = max(len(s["ids"]) for s in seqs)
+    mask = torch.tensor([[1.0] * len(s["ids"]) + [0.0] * (C - len(s["ids"])) for s in seqs])
+    sampling = torch.tensor([s["logprobs"] + [0.0] * (C - len(s["ids"])) for s in seqs])
+    with torch.no_grad():
+        old = trainer.plain_logprobs(model, seqs, every, 0.7)  # (B, C)
+        ref = None
+        if beta:
+            with model.disable_adapter():
+                ref = trainer.plain_logprobs(model, seqs, every, 0.7)  # (B, C)
+    is_ratio = trl_importance_sampling_ratio(old, sampling, mask, mode, 0.5, 3.0)
+    want = trl_compute_loss(trainer.plain_logprobs(model, seqs, every, 0.7), old, sampling,
+                            advantages, mask, is_ratio, "dapo", delta=2.0, beta=beta,
+                            ref_per_token_logps=ref)
+    want.backward()
+    assert stats["loss"] == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    for a, b in zip(got, [p.grad for p in trainer_state.lora_parameters(model)]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+    # the record: TRL's metrics over the forwarded completions, and by staleness
+    used = torch.tensor([beta > 0 or s["reward"] != 1.0 or s["group"] != 2 for s in seqs])
+    stale = torch.tensor([2 - s["policy_version"] for s in seqs])  # (B,)
+    diff = ((old - sampling).abs() * mask)  # (B, C)
+    _, outside = importance_sampling_ratio(old, sampling, mask, mode, 3.0, 0.5)
+    per_token = mode.startswith("token")
+    assert set(stats["by_staleness"]) == ({"0", "1", "2"} if beta else {"0", "1"})
+    for key, sel in [(None, used)] + [(str(k), used & (stale == k)) for k in (0, 1, 2)]:
+        if key is not None and key not in stats["by_staleness"]:
+            continue
+        rec = stats if key is None else stats["by_staleness"][key]
+        n = mask[sel].sum()
+        assert rec["sampling/sampling_logp_difference/mean"] == pytest.approx(
+            (diff[sel].sum() / n).item(), rel=1e-4)
+        assert rec["sampling/sampling_logp_difference/max"] == pytest.approx(
+            diff[sel].max().item(), rel=1e-4)
+        w = is_ratio[sel][mask[sel].bool()] if per_token else is_ratio[sel].flatten()
+        out = outside[sel][mask[sel].bool()] if per_token else outside[sel].flatten()
+        assert rec["sampling/importance_sampling_ratio/mean"] == pytest.approx(
+            w.mean().item(), rel=1e-4)
+        assert rec["sampling/importance_sampling_ratio/min"] == pytest.approx(w.min().item(),
+                                                                             rel=1e-4, abs=1e-7)
+        assert rec["sampling/importance_sampling_ratio/max"] == pytest.approx(w.max().item(),
+                                                                             rel=1e-4)
+        assert rec["sampling/importance_sampling_ratio/outside_frac"] == pytest.approx(
+            out.float().mean().item())
+    assert 0 < stats["sampling/importance_sampling_ratio/outside_frac"] < 1
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats["clip_low_frac"] == 0.0
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.04), ("bnpo", 0.04)])
+def test_trl_reference_is_trls_own_compute_loss(mode, loss_type, beta):
+    """The written-out _compute_loss above against TRL's own method, run on a stand-in trainer
+    (only where trl 1.16 imports: e.g. PYTHONPATH=<the unpacked trl-1.16.0 wheel>)."""
+    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    theta, ids, mask, sampling, adv = mismatch_batch()
+    ref = token_logprobs(theta.detach() * 0.9, ids)  # (B, T)
+    with torch.no_grad():
+        old = token_logprobs(theta, ids)  # (B, T)
+    is_ratio = trl_importance_sampling_ratio(old, sampling, mask, mode, 0.5, 3.0)
+    accelerator = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, **k: x,
+                                  sync_gradients=True)
+    stub = SimpleNamespace(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=0.1, importance_sampling_level="token",
+        beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, use_vllm=True,
+        vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=5, accelerator=accelerator,
+        aux_loss_enabled=False, _entropy_bonus_enabled=False, _metrics=defaultdict(
+            lambda: defaultdict(list)),
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=2.0, steps_per_generation=1),
+        get_off_policy_mask=grpo_trainer.GRPOTrainer.get_off_policy_mask,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (token_logprobs(theta, ids),
+                                                            torch.zeros_like(mask), None))
+    inputs = {"prompt_ids": torch.zeros(6, 1, dtype=torch.long), "prompt_mask": torch.ones(6, 1),
+              "completion_ids": ids, "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": old, "sampling_per_token_logps": sampling,
+              "importance_sampling_ratio": is_ratio, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum()}
+    trls = grpo_trainer.GRPOTrainer._compute_loss(stub, None, inputs)
+    g_trl, = torch.autograd.grad(trls, theta)
+    want = trl_compute_loss(token_logprobs(theta, ids), old, sampling, adv, mask, is_ratio,
+                            loss_type, delta=2.0, beta=beta, ref_per_token_logps=ref,
+                            off_policy_mask_threshold=0.1, max_completion_length=5)
+    g_want, = torch.autograd.grad(want, theta)
+    assert trls.item() == pytest.approx(want.item(), rel=1e-6, abs=1e-8)
+    torch.testing.assert_close(g_trl, g_want)
