@@ -196,6 +196,11 @@ def checks():
         if None not in diff:
             print(f"[gpu_check] info step 1 |logp sampler - logp learner| per token: mean "
                   f"{diff[0]:.2e}, max {diff[1]:.2e} (both at v0)")
+        elif s1.get("ratio_max"):  # a trainer without the sampling/* metrics
+            import math
+
+            print(f"[gpu_check] info step 1 largest logp learner - logp sampler per token: "
+                  f"{math.log(s1['ratio_max']):.2e} (both at v0)")
         rewards = [m["reward_mean"] for m in steps]
         k = max(1, len(rewards) // 4)
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
