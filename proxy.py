@@ -64,28 +64,32 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
                  lease_timeout=120.0, max_worker_share=MAX_WORKER_SHARE):
         c = self.contract = dict(CONTRACT, **(contract or {}))
         check_contract(c)  # ConfigError naming a setting that cannot work
+        self.cond = threading.Condition()  # one lock for all of it
+        # the state the step reads: the buffer (oldest adapter first), the trainer's version,
+        # the groups delivered at that version (a step may take them in parts), the leases
+        self.groups = collections.deque()
+        self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
+        self.taken = 0
+        self.leases = {}  # worker -> Lease (n 0: asking)
+        self.done, self.closed, self.started = False, False, time.time()
+
+        # ---- bookkeeping for the mixins of support/leases.py and support/worker_bounds.py
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
-        self.lease_timeout, self.cond = lease_timeout, threading.Condition()
-        self.max_worker_share = max_worker_share  # of a step, per worker (support/worker_bounds)
-        # the buffer, oldest first; nbytes: group_bytes() of the buffered groups
-        self.groups, self.nbytes = collections.deque(), 0
+        self.lease_timeout, self.max_worker_share = lease_timeout, max_worker_share
+        self.nbytes = 0  # group_bytes() of the buffered groups
         self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
         self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance",
                                      "refused_full", "returned", "rejected",
                                      "refused_connections", "closed_idle",
                                      "dropped_by_trainer"], 0)
         self.workers = {}  # worker name -> its own WORKER_COUNTS
-        self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
-        # when it announced that version (monotonic s); lately (moving averages): seconds per
-        # version, and seconds from a version's announcement to its batch complete (its wait)
+        # when the trainer announced its version (monotonic s); lately (moving averages): seconds
+        # per version, and seconds from a version's announcement to its batch complete (its wait)
         self.version_at, self.step_s, self.fill_s = None, None, 0.0
-        # groups delivered at the current trainer_version (a step may take them in parts): in
-        # all, per worker, and their group_ids (POST /reject gives them back)
-        self.taken, self.taken_by, self.taken_ids = 0, collections.Counter(), {}
+        # the groups taken at this version per worker, and their group_ids (POST /reject)
+        self.taken_by, self.taken_ids = collections.Counter(), {}
         # the trainer's drops: worker -> why it is banned, worker -> groups the trainer dropped
         self.banned, self.trainer_drops = {}, {}
-        self.done, self.closed, self.started = False, False, time.time()
-        self.leases = {}  # worker -> Lease (n 0: asking)
         self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
         # a replica too slow to be leased (_quota) is probed with one group this long after its
         # last delivery (seconds, doubled per probe), in case it got faster; and when

@@ -71,7 +71,7 @@ class Replica:
         self.items = load_task(args.task, "train", args.data)
         self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
-        self.version = None  # the adapter version in the engine
+        self.version = None  # the adapter in the engine: set by run_replica's first refresh()
         self.trainer_version = None  # the trainer's, from the last /quota answer
         self.reload_s, self.batches = 0.0, 0
         self.why = self.lag_logged = None  # the last wait and lag logged: each said once

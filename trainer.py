@@ -296,12 +296,13 @@ def train(args):
         # 3. + 4. log-probs and the loss, the gradient accumulated over the micro-batches.
         # Zeros, not None: all-equal groups still step AdamW's momentum, as TRL's do.
         optimizer.zero_grad(set_to_none=False)
-        stats = compute_loss_and_backward(model, seqs, advantages, mbs, args.loss_type,
-                                          args.epsilon, args.epsilon_high, args.beta,
-                                          args.max_completion_length, args.temperature,
-                                          args.delta, version, args.use_bias_correction_kl,
-                                          args.mask_truncated_completions,
-                                          {k: getattr(args, k) for k in grpo_loss.CORRECTION})
+        stats = compute_loss_and_backward(
+            model, seqs, advantages, mbs, loss_type=args.loss_type, epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high, beta=args.beta, delta=args.delta,
+            max_completion_length=args.max_completion_length, temperature=args.temperature,
+            version=version, use_bias_correction_kl=args.use_bias_correction_kl,
+            mask_truncated_completions=args.mask_truncated_completions,
+            correction={k: getattr(args, k) for k in grpo_loss.CORRECTION})
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm)
         grad_norm = grad_norm.item()
         finite = stats.pop("finite") and math.isfinite(grad_norm)
