@@ -52,6 +52,7 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
   : "${STARTUP_TIMEOUT:=900}"   # seconds for the proxy job to be RUNNING and answer /healthz
+  : "${PROXY_TRAINER_TIMEOUT:=1200}"  # s of trainer silence after which the proxy ends the run
   : "${JOB_ENV:=}"             # extra "K=V K=V" for every job (-e), e.g. "HF_HUB_OFFLINE=1"
   if [ "$action" = preflight ]; then : "${NAME:=preflight-$(date +%Y%m%d-%H%M%S)}"
   elif [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
@@ -212,6 +213,7 @@ launch_hf() {
     --timeout "$TIMEOUT"      `# a bound: the run ends by itself after STEPS steps` \
     -e HF_HOME=/tmp/hf        `# a writable cache` \
     -e PYTHONUNBUFFERED=1     `# each log line as it is printed` \
+    -e PROXY_TRAINER_TIMEOUT="$PROXY_TRAINER_TIMEOUT"  `# a silent trainer ends the run: no bill` \
     ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
     -v "$CODE:/code"          `# this checkout, uploaded, mounted read-only` \
     --secrets PROXY_TOKEN     `# the trainer token: hf reads each value from this environment` \
@@ -265,8 +267,11 @@ launch_hf() {
   fi
   cat <<EOT
 
-Launched run $NAME (job ids in $RUN/jobs.txt). The jobs end by themselves when the trainer has
-done $STEPS steps; TIMEOUT=$TIMEOUT bounds each of them.
+Launched run $NAME (job ids in $RUN/jobs.txt). Billed until each job ends: the proxy
+($PROXY_FLAVOR), $REPLICAS replica(s) (${ROLLOUT_FLAVORS:-$ROLLOUT_FLAVOR}) and the trainer
+($TRAINER_FLAVOR), each at most TIMEOUT=$TIMEOUT. They end by themselves after $STEPS steps; if
+the trainer is silent for PROXY_TRAINER_TIMEOUT=${PROXY_TRAINER_TIMEOUT}s the proxy ends the run
+and the replicas exit. Stop everything now (billing stops): bash jobs.sh stop
   follow the trainer:   bash jobs.sh logs trainer      (or: ${HF[*]} jobs logs -f $tid)
   all stages:           bash jobs.sh status
   stop everything:      bash jobs.sh stop
