@@ -69,8 +69,10 @@ LOG_RATIO_MAX = 20.0  # exp(20) = 4.9e8, far from float32's overflow at exp(88.7
 
 
 # ---- ALGO: the step's math in trainer.py's order: 2. advantages (group_advantages)
-# 3. log-probs (token_logprobs, log_ratio)  4. the loss (sampler_correction: the old log-probs,
-# the importance weight, the off-policy mask; policy_loss, microbatch_weight)
+# 3. log-probs (token_logprobs, log_ratio)  4. the loss (sampler_correction: which log-probs are
+# the old policy; policy_loss, microbatch_weight). At the defaults that is the whole step: the
+# OPTIONS below (TRL's vLLM importance weights, the off-policy mask) and the SUPPORT after them
+# (settings check, the logs' statistics) can be read later.
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
     """Advantage of each completion against the other completions of its prompt.
@@ -133,49 +135,6 @@ def log_ratio(logprobs, old_logprobs, mask):
     exp() finite (departure 6): beyond it the ratio is held at e^20 with no gradient.
     """
     return torch.where(mask.bool(), logprobs - old_logprobs, 0.0).clamp(max=LOG_RATIO_MAX)  # (B, T)
-
-
-def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask",
-                              clip_max=3.0, clip_min=None):
-    """TRL's vllm_importance_sampling_ratio (grpo_trainer.py 2660-2705): pi_old / pi_sampler per
-    token (token_*) or per sequence (sequence_*: the product), held in [clip_min, clip_max]
-    (*_truncate) or 0 outside it (*_mask). No gradient. old_logprobs, sampling_logprobs, mask:
-    (B, T). Returns (ratio, outside), (B, T) or (B, 1): `outside` (bool) marks the ratios
-    outside the bounds before truncation or masking."""
-    if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, not {mode!r}")
-    with torch.no_grad():
-        # TRL: per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
-        diff = torch.where(mask.bool(), old_logprobs.detach().float() - sampling_logprobs,
-                           0.0)  # (B, T)
-        if mode.startswith("sequence"):
-            # TRL: per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
-            diff = diff.sum(-1, keepdim=True)  # (B, 1)
-        # TRL: vllm_importance_sampling_ratio = torch.exp(logps_diff); bounded first (departure 6)
-        ratio = torch.exp(diff.clamp(max=LOG_RATIO_MAX))  # (B, T) or (B, 1)
-        lo = -math.inf if clip_min is None else clip_min
-        hi = math.inf if clip_max is None else clip_max
-        outside = (ratio < lo) | (ratio > hi)  # TRL: invalid_mis_mask
-        if mode.endswith("truncate"):
-            # TRL: torch.clamp(ratio, min=vllm_importance_sampling_clip_min, max=..._clip_max)
-            return ratio.clamp(min=lo, max=hi), outside
-        # TRL: ratio.masked_fill(invalid_mis_mask, value=0.0)
-        return ratio.masked_fill(outside, 0.0), outside
-
-
-def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold):
-    """TRL's get_off_policy_mask (grpo_trainer.py ~2945-2968; DeepSeek-V3.2 arXiv 2512.02556 eq.
-    9): (B, 1), 0 for a sequence whose advantage is negative and whose mean over its tokens of
-    log(pi_sampler / pi_theta) exceeds threshold, else 1. No gradient."""
-    with torch.no_grad():
-        # TRL: kl_div = sampling_per_token_logps - per_token_logps.detach()
-        kl_div = torch.where(mask.bool(), sampling_logprobs - logprobs.detach(), 0.0)  # (B, T)
-        # TRL: avg_seq_kl = seq_kl_sum / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        avg_seq_kl = kl_div.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
-            min=1.0)  # (B, 1)
-        # TRL: keep if (advantages >= 0) | (avg_seq_kl <= off_policy_threshold)
-        keep = (advantages.unsqueeze(1) >= 0) | (avg_seq_kl <= threshold)  # (B, 1)
-        return keep.to(logprobs.dtype)  # (B, 1)
 
 
 def sampler_correction(logprobs, sampling_logprobs, advantages, mask, old_logprobs="sampler",
@@ -309,6 +268,52 @@ def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
     if loss_type == "dapo":  # already divided by the whole batch's token count
         return 1.0
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
+
+
+# ---- OPTIONS, off by default (sampler_correction calls them): TRL's vLLM importance-sampling
+# correction (--old-logprobs learner) and DeepSeek-V3.2's off-policy mask
+
+def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask",
+                              clip_max=3.0, clip_min=None):
+    """TRL's vllm_importance_sampling_ratio (grpo_trainer.py 2660-2705): pi_old / pi_sampler per
+    token (token_*) or per sequence (sequence_*: the product), held in [clip_min, clip_max]
+    (*_truncate) or 0 outside it (*_mask). No gradient. old_logprobs, sampling_logprobs, mask:
+    (B, T). Returns (ratio, outside), (B, T) or (B, 1): `outside` (bool) marks the ratios
+    outside the bounds before truncation or masking."""
+    if mode not in IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, not {mode!r}")
+    with torch.no_grad():
+        # TRL: per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+        diff = torch.where(mask.bool(), old_logprobs.detach().float() - sampling_logprobs,
+                           0.0)  # (B, T)
+        if mode.startswith("sequence"):
+            # TRL: per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+            diff = diff.sum(-1, keepdim=True)  # (B, 1)
+        # TRL: vllm_importance_sampling_ratio = torch.exp(logps_diff); bounded first (departure 6)
+        ratio = torch.exp(diff.clamp(max=LOG_RATIO_MAX))  # (B, T) or (B, 1)
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        outside = (ratio < lo) | (ratio > hi)  # TRL: invalid_mis_mask
+        if mode.endswith("truncate"):
+            # TRL: torch.clamp(ratio, min=vllm_importance_sampling_clip_min, max=..._clip_max)
+            return ratio.clamp(min=lo, max=hi), outside
+        # TRL: ratio.masked_fill(invalid_mis_mask, value=0.0)
+        return ratio.masked_fill(outside, 0.0), outside
+
+
+def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold):
+    """TRL's get_off_policy_mask (grpo_trainer.py ~2945-2968; DeepSeek-V3.2 arXiv 2512.02556 eq.
+    9): (B, 1), 0 for a sequence whose advantage is negative and whose mean over its tokens of
+    log(pi_sampler / pi_theta) exceeds threshold, else 1. No gradient."""
+    with torch.no_grad():
+        # TRL: kl_div = sampling_per_token_logps - per_token_logps.detach()
+        kl_div = torch.where(mask.bool(), sampling_logprobs - logprobs.detach(), 0.0)  # (B, T)
+        # TRL: avg_seq_kl = seq_kl_sum / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        avg_seq_kl = kl_div.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+            min=1.0)  # (B, 1)
+        # TRL: keep if (advantages >= 0) | (avg_seq_kl <= off_policy_threshold)
+        keep = (advantages.unsqueeze(1) >= 0) | (avg_seq_kl <= threshold)  # (B, 1)
+        return keep.to(logprobs.dtype)  # (B, 1)
 
 
 # ---- SUPPORT: the settings check, the logs' off-policy statistics and the finite check
