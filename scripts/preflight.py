@@ -76,9 +76,9 @@ def serve(folder, seconds):
 
 def write_path(folder, retry_after=5.0):
     """The trainer's bucket writes, done by DirBucket itself in folder/CHECK: {step: "ok" or what
-    failed}, one printed verdict each. hf-mount has refused an open without O_TRUNC (DirBucket's
-    temp file is O_EXCL) and the unlink of a file just written (still uploading): the delete is
-    tried at once, then again after retry_after s."""
+    failed}, one printed verdict each. hf-mount has refused a create without O_TRUNC (DirBucket's
+    temp file has O_EXCL | O_TRUNC) and the unlink of a file just written (still uploading): the
+    delete is tried at once, then again after retry_after s."""
     b, verdicts = DirBucket(os.path.join(folder, CHECK)), {}
     adapter, latest = "adapters/v000000/adapter_model.safetensors", "adapters/LATEST"
 
@@ -108,7 +108,7 @@ def write_path(folder, retry_after=5.0):
         print(f"[preflight write] DirBucket {name}: {verdicts[name]}", flush=True)
         return problem is None
 
-    step("write (a new folder, temp file O_EXCL + fsync, os.replace)", write_new)
+    step("write (a new folder, temp file O_EXCL | O_TRUNC + fsync, os.replace)", write_new)
     step("replace (LATEST written twice)", replace)
     step("list (os.fwalk)", listed)
     if not step("delete (unlink + rmdir) right after the write", delete):

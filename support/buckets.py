@@ -256,7 +256,8 @@ class DirBucket(Bucket):
             with self._folder(key, create=True) as (fd, name):
                 # one a kill leaves is listed, so pruned with its folder
                 tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                # O_TRUNC changes nothing for a new file; hf-mount refuses a create without it
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC
                 try:
                     with open(self._open_at(fd, tmp, flags, key), "wb") as f:
                         f.write(data)
