@@ -41,7 +41,7 @@ import time
 from support.contract import CONTRACT, MAX_NAME, NAME, ConfigError, check_contract
 from support.http_hardening import ApiError
 # RolloutBuffer's lease sizing, add()'s checks and its bookkeeping: mixins in support/leases.py
-from support.leases import (PROBE, WORKER_COUNTS, AddChecks, BufferRecords, Lease, LeaseSizing,
+from support.leases import (WORKER_COUNTS, AddChecks, BufferRecords, Lease, LeaseSizing,
                             group_bytes)
 from support.cli import proxy_args
 from support.proxy_service import (ProxyHandler, ProxyServer, body_limit, check_service,
@@ -141,22 +141,14 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
             if self.trainer_version is None:
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy "
                                "forgets it)", 409, payload={"need_version": True})
-            if ack is not None:  # the trainer read delivery `ack`; any other went unread: back
-                self._confirm(ack)
+            self._confirm(ack)  # the trainer read delivery `ack`; any other went unread: back
             self.waiting += n  # seen by /stats while the wait has released the lock
             # no busy wait; at most --max-worker-share of a step from one worker while another
             # supplies (the rest wait for the next step)
             out = self._take_within_shares(n, timeout, gone)
             self.waiting -= n
             self._deliver(out, self.trainer_version)
-            if self.taken >= self.contract["groups_per_step"] > self.taken - len(out):  # complete
-                self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2
-            delivery = None
-            if out and ack is not None:
-                self.deliveries += 1
-                delivery = self.deliveries
-                self.unconfirmed[delivery] = (out, self.trainer_version)
-            return out, self.trainer_version, delivery
+            return out, self.trainer_version, self._hold(out, ack)  # until the next ack
 
     # ---- ALGO, 4. the version handshake: how a new adapter reaches the replicas
     #   a. trainer.publish writes the adapter's files, its manifest, then adapters/LATEST (sync.py)
@@ -202,23 +194,13 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
             ready = lambda: (self.done or self.closed or self.trainer_version != t0  # noqa: E731
                              or (t0 is not None and version < t0)  # a newer adapter: at once
                              or self._quota(worker, version, most)[0] > 0)
-            deadline = time.monotonic() + timeout
-            while not ready() and (left := deadline - time.monotonic()) > 0:
-                # another's lease may expire meanwhile: look again the moment it does
-                now = time.monotonic()
-                ends = [lease.until - now for lease in self.leases.values() if lease.until > now]
-                self.cond.wait(min([left, *ends]))
+            self._wait_until(ready, timeout)  # also wakes when another's lease expires
             if self.done:
                 self.told_done.add(worker)
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
-            n, why = self._quota(worker, version, most)  # how many: _quota above
-            now = time.monotonic()
-            if why == PROBE:  # the next probe twice as late; a replica leased again is no more
-                self.probe_gap[worker] = 2 * self._probe_gap(worker)
-            elif n:
-                self.probe_gap.pop(worker, None)
-            self.leases[worker] = Lease(n, self._expiry(worker, n, now), version, now, n)
+            n, why = self._quota(worker, version, most)  # how many: _quota below
+            self._lease(worker, version, n, why)  # its expiry; a slow replica's next probe
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
 
@@ -276,6 +258,9 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
         if version == self.trainer_version:  # this step's, in all and per worker
             self.taken += sign * len(groups)
             self._taken_from(groups, sign)
+            if sign > 0 and self.taken >= self.contract["groups_per_step"] > self.taken - len(
+                    groups):  # the step's batch is complete: how long it took (its wait)
+                self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2
         for g in groups:
             self.staleness[version - g["policy_version"]] += sign
         self.cond.notify_all()  # a replica waiting for a quota may now have one

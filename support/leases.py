@@ -48,8 +48,8 @@ def group_bytes(g):
 
 class LeaseSizing:
     """RolloutBuffer's lease sizing: how many groups /quota leases a replica. RolloutBuffer._quota
-    calls _coming, _ahead, _lease_size and _in_time; quota calls _probe_gap and _expiry; stats()
-    calls _shares; add() calls _delivered (through _remember)."""
+    calls _coming, _ahead, _lease_size and _in_time; quota calls _wait_until and _lease (which
+    calls _probe_gap and _expiry); stats() calls _shares; add() calls _delivered (_remember)."""
 
     def _lease_size(self, worker, lack, most, now):
         """How many of the `lack` groups the trainer still needs this replica is leased: at most
@@ -100,6 +100,25 @@ class LeaseSizing:
         lease_s = max(1, round(B * self._shares(now, worker)[worker])) * self.pace[worker]
         train_s = max(self.step_s - self.fill_s, 1e-3)
         return max(1, min(keeping, math.ceil(lease_s / train_s)))
+
+    def _wait_until(self, ready, timeout):
+        """Wait (the lock released) until ready() or `timeout` s; another's lease may expire
+        meanwhile, which can make ready() true: look again the moment it does."""
+        deadline = time.monotonic() + timeout
+        while not ready() and (left := deadline - time.monotonic()) > 0:
+            now = time.monotonic()
+            ends = [lease.until - now for lease in self.leases.values() if lease.until > now]
+            self.cond.wait(min([left, *ends]))
+
+    def _lease(self, worker, version, n, why):
+        """Record the lease of n groups and when it expires. A slow replica's probe (PROBE): the
+        next one twice as late; a replica leased again is no longer probed."""
+        now = time.monotonic()
+        if why == PROBE:
+            self.probe_gap[worker] = 2 * self._probe_gap(worker)
+        elif n:
+            self.probe_gap.pop(worker, None)
+        self.leases[worker] = Lease(n, self._expiry(worker, n, now), version, now, n)
 
     def _probe_gap(self, worker):
         return self.probe_gap.get(worker, 8 * self.step_s)  # first: 8 of the trainer's steps
@@ -258,7 +277,8 @@ class Lease:
 
 class BufferRecords:
     """RolloutBuffer's bookkeeping: the bounded table of leases (_bound_leases), the counters per
-    worker (_count, count), a delivery the trainer never read back to the buffer (give_back), the
+    worker (_count, count), a delivery held until read (_hold) and, never read, back to the
+    buffer (_confirm, give_back), the
     end (close), and what GET /stats shows (state, stats)."""
 
     def _bound_leases(self, worker):
@@ -332,9 +352,21 @@ class BufferRecords:
         self.groups.extendleft(reversed(groups))
         self._drop_stale()  # if the trainer moved on meanwhile
 
+    def _hold(self, groups, ack):
+        """With `ack` (the client confirms what it reads), the groups are a numbered delivery,
+        held until the next take's ack or set_version confirms it: its number, else None."""
+        if not groups or ack is None:
+            return None
+        self.deliveries += 1
+        self.unconfirmed[self.deliveries] = (groups, self.trainer_version)
+        return self.deliveries
+
     def _confirm(self, ack):
-        """The client read delivery `ack` (0: none): the other unconfirmed deliveries were never
-        read (a trainer killed with them unread): back to the buffer, the oldest in front."""
+        """The client read delivery `ack` (0: none; None: it does not confirm): the other
+        unconfirmed deliveries were never read (a trainer killed with them unread): back to the
+        buffer, the oldest in front."""
+        if ack is None:
+            return
         self.unconfirmed.pop(ack, None)
         for d in sorted(self.unconfirmed, reverse=True):  # newest first: the oldest ends in front
             self._give_back(*self.unconfirmed.pop(d))
