@@ -278,8 +278,7 @@ class Lease:
 class BufferRecords:
     """RolloutBuffer's bookkeeping: the bounded table of leases (_bound_leases), the counters per
     worker (_count, count), a delivery held until read (_hold) and, never read, back to the
-    buffer (_confirm, give_back), the
-    end (close), and what GET /stats shows (state, stats)."""
+    buffer (_confirm, give_back), the end (close), and what GET /stats shows (state, stats)."""
 
     def _bound_leases(self, worker):
         """The leases are bounded: a new name beyond MAX_WORKERS drops the expired ones, or 429."""
