@@ -52,7 +52,13 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
   : "${STARTUP_TIMEOUT:=900}"   # seconds for the proxy job to be RUNNING and answer /healthz
-  : "${PROXY_TRAINER_TIMEOUT:=1200}"  # s of trainer silence after which the proxy ends the run
+  : "${PROXY_TRAINER_TIMEOUT:=1200}"  # s of trainer silence after which the proxy ends the run;
+                                      # it must outlast a trainer restart (docs/gpu-round.md)
+  : "${TRAINER_ATTEMPTS:=2}"   # runs of the trainer job in all (hf jobs run --attempts): a failed
+  # one starts again and resumes from the bucket. One restart covers a lost machine; a failure that
+  # repeats (a bug, an OOM at the same step) is billed again on each attempt. The proxy and the
+  # replicas run once: the proxy's exit 1 is how it ends a run whose trainer went silent (another
+  # attempt would start it again, waiting); a lost replica costs its batch (the others carry on).
   : "${JOB_ENV:=}"             # extra "K=V K=V" for every job (-e), e.g. "HF_HUB_OFFLINE=1"
   if [ "$action" = preflight ]; then : "${NAME:=preflight-$(date +%Y%m%d-%H%M%S)}"
   elif [ "$action" = launch ]; then : "${NAME:=grpo-$(date +%Y%m%d-%H%M%S)}"
@@ -249,6 +255,8 @@ launch_hf() {
     --name "$NAME-trainer"    `# bash jobs.sh logs trainer follows it` \
     --flavor "$TRAINER_FLAVOR"  `# a GPU: the forward and backward passes` \
     --timeout "$TIMEOUT"      `# a bound: it exits after STEPS steps` \
+    --attempts "$TRAINER_ATTEMPTS"  `# a failed run starts again (a cancel does not), same job` \
+                              `# id; it resumes from the bucket (huggingface_hub >= 2.1)` \
     -e HF_HOME=/tmp/hf        `# a writable cache for the model` \
     -e PYTHONUNBUFFERED=1     `# each log line as it is printed` \
     ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
@@ -269,9 +277,11 @@ launch_hf() {
 
 Launched run $NAME (job ids in $RUN/jobs.txt). Billed until each job ends: the proxy
 ($PROXY_FLAVOR), $REPLICAS replica(s) (${ROLLOUT_FLAVORS:-$ROLLOUT_FLAVOR}) and the trainer
-($TRAINER_FLAVOR), each at most TIMEOUT=$TIMEOUT. They end by themselves after $STEPS steps; if
-the trainer is silent for PROXY_TRAINER_TIMEOUT=${PROXY_TRAINER_TIMEOUT}s the proxy ends the run
-and the replicas exit. Stop everything now (billing stops): bash jobs.sh stop
+($TRAINER_FLAVOR), each at most TIMEOUT=$TIMEOUT. They end by themselves after $STEPS steps. A
+trainer that fails starts again and resumes from the bucket (TRAINER_ATTEMPTS=$TRAINER_ATTEMPTS
+runs in all; up to $TRAINER_ATTEMPTS x $TIMEOUT if Jobs counts TIMEOUT per run). If the trainer
+is silent for PROXY_TRAINER_TIMEOUT=${PROXY_TRAINER_TIMEOUT}s the proxy ends the run and the
+replicas exit. Stop everything now (billing stops, nothing restarts): bash jobs.sh stop
   follow the trainer:   bash jobs.sh logs trainer      (or: ${HF[*]} jobs logs -f $tid)
   all stages:           bash jobs.sh status
   stop everything:      bash jobs.sh stop

@@ -35,6 +35,18 @@ How a job runs (Linux, as root, with mount and network namespaces):
    change made to a job's command.
 4. Stage: SCHEDULING (HF_EMU_SCHEDULING seconds, default 2), RUNNING, then COMPLETED (exit 0),
    ERROR (another exit status, or --timeout) or CANCELED.
+5. Attempts (`hf jobs run --attempts N`). Read in huggingface_hub 2.4: "Maximum attempts,
+   including the first run. Defaults to 1" (cli/jobs.py:492), "3 retries a failed Job up to 2
+   times" (hf_api.py:12170-12172), sent as the job spec's `attempts` (_jobs_api.py:678-679), shown
+   back as `retry` = attempts - 1 (_jobs_api.py:240-241); ERROR and CANCELED are terminal, "will
+   not run further" (_jobs_api.py:92-93). Assumed here, as a Kubernetes Job with backoffLimit
+   would do (no source says how Jobs does it): a failure is any attempt that ends with a status
+   other than 0, a signal included (SIGKILL, a lost machine); the job goes back to SCHEDULING
+   and runs its command again, same id, same URL, same volumes, a fresh HOME; its log goes on
+   after the last attempt's lines (each attempt starts with a "===== Job started" line, which
+   `hf jobs logs` leaves out as huggingface_hub does, hf_api.py:12403); a cancel never
+   restarts; --timeout is one clock for the whole job, from the first attempt's start, and its
+   expiry ends the job in ERROR without a new attempt.
 No GPU: the flavour is only checked against huggingface_hub's list of flavours.
 """
 
@@ -54,6 +66,7 @@ import threading
 import time
 
 EMU_DIR = os.environ.get("HF_EMU_DIR", "")
+ATTEMPT_LINE = "===== Job started"  # each attempt's first log line; `hf jobs logs` leaves it out
 USER = "emulated-user"
 GATEWAY_IP, JOB_IP = "10.233.0.1", "10.233.0.2"
 USER_TOKEN = os.environ.get("HF_EMU_USER_TOKEN", "hf_emulated_token")  # the emulated user's HF token
@@ -172,6 +185,7 @@ def job_info(job_id):
     return JobInfo(id=job_id, created_at=spec["created_at"], docker_image=spec["image"], command=spec["command"],
                    environment=spec["env"], secrets={k: None for k in spec["secrets"]}, flavor=spec["flavor"],
                    labels=spec["labels"], owner={"id": "0" * 24, "name": USER, "type": "user"},
+                   retry=spec["attempts"] - 1,  # what the Jobs API shows (_jobs_api.py:240)
                    status={"stage": st, "message": message,
                            "exposeUrls": [f"http://127.0.0.1:{g['outside']}"
                                           for g in spec["gateway"]] or None},
@@ -179,14 +193,14 @@ def job_info(job_id):
 
 
 def run_job(self, *, image, command, env=None, secrets=None, flavor=None, timeout=None, labels=None, volumes=None,
-            expose=None, namespace=None, **unused):
+            expose=None, namespace=None, attempts=None, **unused):
     from huggingface_hub import JobHardware
     from huggingface_hub.utils._parsing import parse_duration
 
     known = [h.value for h in JobHardware]
     if (flavor or "cpu-basic") not in known:
         raise ValueError(f"400 Bad Request: unknown flavor {flavor!r} (known: {', '.join(known)})")
-    for key in ("attempts", "expose_public", "network_group", "resource_group_id"):
+    for key in ("expose_public", "network_group", "resource_group_id"):
         if unused.get(key):
             raise NotImplementedError(f"hf jobs emulator: {key} is not emulated")
     job_id = secrets_token()
@@ -212,7 +226,7 @@ def run_job(self, *, image, command, env=None, secrets=None, flavor=None, timeou
     write_json(os.path.join(jobdir, "job.json"), dict(
         image=image, command=[gateway_urls(c) for c in command], env=env or {}, secrets=sorted(secrets or {}),
         flavor=flavor or "cpu-basic", labels=labels or {}, expose=list(expose or []), mounts=mounts,
-        gateway=gateway,
+        gateway=gateway, attempts=int(attempts or 1),
         job_env=job_env, timeout_s=seconds, netns=network(),
         created_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")))
     open(os.path.join(jobdir, "log"), "w").close()
@@ -238,10 +252,12 @@ def cancel_job(self, *, job_id, **unused):
     job_info(job_id)  # 404 for an unknown id
     if stage(job_id)[0] not in ("SCHEDULING", "RUNNING"):
         return
-    open(path("jobs", job_id, "canceled"), "w").close()  # a SCHEDULING job never starts
-    if os.path.exists(path("jobs", job_id, "pid")):
+    open(path("jobs", job_id, "canceled"), "w").close()  # a SCHEDULING job never starts (again)
+    try:
         with open(path("jobs", job_id, "pid")) as f:
             kill_group(int(f.read()))
+    except FileNotFoundError:  # scheduling, or between two attempts
+        pass
 
 
 def kill_group(pgid, grace=10.0):
@@ -256,18 +272,23 @@ def kill_group(pgid, grace=10.0):
         pass
 
 
+def shown(lines):
+    """The log lines `hf jobs logs` shows: not an attempt's first line (hf_api.py:12403)."""
+    return [line for line in lines if not line.startswith(ATTEMPT_LINE)]
+
+
 def fetch_job_logs(self, *, job_id, follow=False, tail=None, **unused):
     job_info(job_id)
     with open(path("jobs", job_id, "log"), errors="replace") as f:
-        lines = f.read().splitlines()
+        lines = shown(f.read().splitlines())
         yield from lines[-tail:] if tail else lines
-        while follow and stage(job_id)[0] == "RUNNING":
+        while follow and stage(job_id)[0] in ("SCHEDULING", "RUNNING"):  # until a terminal stage
             line = f.readline()
             if line:
-                yield line.rstrip("\n")
+                yield from shown([line.rstrip("\n")])
             else:
                 time.sleep(0.2)
-        yield from f.read().splitlines()
+        yield from shown(f.read().splitlines())
 
 
 def create_bucket(self, bucket_id, *, exist_ok=False, **unused):
@@ -401,18 +422,38 @@ def start_views(spec, jobdir):
 # ---- inside: the supervisor (outside the job) and the job's own first steps ----------------------
 
 def supervise(jobdir):
-    """SCHEDULING, then start the job in its namespaces, wait for it (up to its timeout), write
-    result.json. The gateway and the bucket views live as long as this process."""
+    """SCHEDULING, then start the job in its namespaces and wait for it (up to its timeout); a
+    failed attempt with attempts left is scheduled and started again (module docstring, 5);
+    then write result.json. The gateway and the bucket views live as long as this process."""
     spec = read_json(os.path.join(jobdir, "job.json"))
-    time.sleep(float(os.environ.get("HF_EMU_SCHEDULING", "2")))
-    if os.path.exists(os.path.join(jobdir, "canceled")):
-        return write_json(os.path.join(jobdir, "result.json"), {"rc": -15, "message": None})
-    start_gateway(spec)
-    start_views(spec, jobdir)
-    write_json(os.path.join(jobdir, "job.json"), spec)  # the mounts as the job sees them
+    canceled = os.path.join(jobdir, "canceled")
+    for attempt in range(1, spec["attempts"] + 1):
+        time.sleep(float(os.environ.get("HF_EMU_SCHEDULING", "2")))
+        if os.path.exists(canceled):
+            return write_json(os.path.join(jobdir, "result.json"), {"rc": -15, "message": None})
+        if attempt == 1:
+            start_gateway(spec)
+            start_views(spec, jobdir)
+            write_json(os.path.join(jobdir, "job.json"), spec)  # the mounts as the job sees them
+            deadline = time.time() + spec["timeout_s"]  # one clock for every attempt (assumed)
+        else:  # a new container: nothing of the last attempt's home
+            shutil.rmtree(spec["job_env"]["HOME"])
+            os.makedirs(spec["job_env"]["HOME"])
+        rc, message = run_attempt(jobdir, spec, attempt, deadline)
+        if rc == 0 or message or os.path.exists(canceled):
+            break
+        os.remove(os.path.join(jobdir, "pid"))  # SCHEDULING again
+    write_json(os.path.join(jobdir, "result.json"), {"rc": rc, "message": message})
+
+
+def run_attempt(jobdir, spec, attempt, deadline):
+    """Run the job's command once: (exit status, the timeout's message or None)."""
     argv = ["nsenter", f"--net=/proc/{spec['netns']}/ns/net", "unshare", "--mount", "--propagation", "private",
             sys.executable, __file__, "_enter", jobdir]
     with open(os.path.join(jobdir, "log"), "ab") as log:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        log.write(f"{ATTEMPT_LINE} at {now} (attempt {attempt} of {spec['attempts']}) =====\n".encode())
+        log.flush()
         proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
     with open(os.path.join(jobdir, "pid"), "w") as f:
@@ -421,12 +462,12 @@ def supervise(jobdir):
         kill_group(proc.pid, grace=5)
     message = None
     try:
-        rc = proc.wait(timeout=spec["timeout_s"])
+        rc = proc.wait(timeout=max(0.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
         kill_group(proc.pid, grace=5)
         rc, message = proc.wait(), f"Job timeout ({spec['timeout_s']} s)"
     kill_group(proc.pid, grace=5)  # on Jobs the container goes, and everything in it
-    write_json(os.path.join(jobdir, "result.json"), {"rc": rc, "message": message})
+    return rc, message
 
 
 def enter(jobdir):

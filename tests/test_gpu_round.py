@@ -332,45 +332,151 @@ def stages(env, jobs):
     return out
 
 
-def test_a_killed_trainer_job_ends_every_job_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
-    """`bash jobs.sh` on the emulated Jobs, the trainer job cancelled after step 1: the proxy
-    ends the run PROXY_TRAINER_TIMEOUT s later and the replica exits; no job is left running.
-    The silence counts from the proxy's start too (a trainer job that never starts ends the run
-    as well): it must outlast the trainer job's start-up here."""
-    silence = 60
-    offline = ("HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false "
-               f"PROXY_TRAINER_TIMEOUT={silence}")
-    # the replicas' own token for the gateway (jobs.sh refuses the user's HF token there)
-    gateway = dict(GATEWAY_TOKEN="hf_emulated_gateway", HF_EMU_USER_TOKEN="hf_emulated_gateway")
-    env = dict(hf_jobs, **gateway, NAME=hf_run_name, BUCKET="alice/grpo", MODEL=tiny_model,
-               TASK="toy", STEPS="1000", REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2",
-               MAX_COMPLETION_LENGTH="6", MAX_STALENESS="1", LORA_R="8", LORA_ALPHA="16",
-               SAVE_EVERY="2", ENGINE="hf", TIMEOUT="15m", JOB_ENV=offline,
-               HF_EMU_MOUNT_LAG="1 2", STARTUP_TIMEOUT="120")
-    res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stdout + res.stderr
-    with open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt")) as f:
-        jobs = dict(line.split() for line in f)
-    deadline = time.time() + 300
-    while "step 1 " not in subprocess.run(["hf", "jobs", "logs", jobs["trainer"]], env=env,
-                                          capture_output=True, text=True, timeout=60).stdout:
-        assert time.time() < deadline and stages(env, {"t": jobs["trainer"]})["t"]["stage"] in (
-            "SCHEDULING", "RUNNING"), "the trainer took no step"
+def job_log(env, jid):
+    return subprocess.run(["hf", "jobs", "logs", jid], env=env, capture_output=True, text=True,
+                          timeout=60).stdout
+
+
+def wait_for_log(env, jid, text, timeout=300):
+    """Until the job's log holds `text`; fails if the job ends first."""
+    deadline = time.time() + timeout
+    while text not in job_log(env, jid):
+        assert time.time() < deadline and stages(env, {"j": jid})["j"]["stage"] in (
+            "SCHEDULING", "RUNNING"), f"no {text!r} in the log of job {jid}"
         time.sleep(2)
-    subprocess.run(["hf", "jobs", "cancel", jobs["trainer"]], env=env, check=True, timeout=60)
-    cancelled, now = time.time(), {}
-    while time.time() < cancelled + silence + 90:
+
+
+def wait_until_ended(env, jobs, timeout):
+    """{role: status} once no job is SCHEDULING or RUNNING (or `timeout` s have passed)."""
+    deadline, now = time.time() + timeout, {}
+    while time.time() < deadline:
         now = stages(env, jobs)
         if not {"SCHEDULING", "RUNNING"} & {s["stage"] for s in now.values()}:
             break
         time.sleep(2)
+    return now
+
+
+def kill_job_machine_at(env, jid, text, timeout=300):
+    """Once the job's log holds `text` (the emulator's log file, read every 0.2 s: `hf jobs logs`
+    takes seconds), SIGKILL every process of its running attempt: a lost machine, not a cancel."""
+    folder, deadline = os.path.join(env["HF_EMU_DIR"], "jobs", jid), time.time() + timeout
+    while text not in (log := open(os.path.join(folder, "log"), errors="replace").read()):
+        ended = os.path.exists(os.path.join(folder, "result.json"))
+        assert time.time() < deadline and not ended, f"no {text!r} in {jid}'s log: {log[-2000:]}"
+        time.sleep(0.2)
+    with open(os.path.join(folder, "pid")) as f:
+        os.killpg(int(f.read()), signal.SIGKILL)
+    return time.time()
+
+
+def launch_emulated(env, tiny_model, name, silence, **settings):
+    """`bash jobs.sh` on the emulated Jobs: proxy, one replica (hf engine, toy task) and trainer
+    on the tiny model, state saved every 2 steps, PROXY_TRAINER_TIMEOUT=silence. -> (env, {role:
+    job id})."""
+    offline = ("HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false "
+               f"PROXY_TRAINER_TIMEOUT={silence}")
+    # the replicas' own token for the gateway (jobs.sh refuses the user's HF token there)
+    gateway = dict(GATEWAY_TOKEN="hf_emulated_gateway", HF_EMU_USER_TOKEN="hf_emulated_gateway")
+    env = dict(env, **gateway, NAME=name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy",
+               REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2", MAX_COMPLETION_LENGTH="6",
+               MAX_STALENESS="1", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="2", ENGINE="hf",
+               TIMEOUT="15m", JOB_ENV=offline, HF_EMU_MOUNT_LAG="1 2", STARTUP_TIMEOUT="120",
+               **settings)
+    res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(os.path.join(ROOT, "runs", name, "jobs.txt")) as f:
+        return env, dict(line.split() for line in f)
+
+
+def test_a_killed_trainer_job_ends_every_job_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
+    """`bash jobs.sh` on the emulated Jobs, the trainer job cancelled after step 1 (attempts left:
+    a cancel does not restart it): the proxy ends the run PROXY_TRAINER_TIMEOUT s later and the
+    replica exits; no job is left running. The silence counts from the proxy's start too (a
+    trainer job that never starts ends the run as well): it must outlast the trainer job's
+    start-up here."""
+    silence = 60
+    env, jobs = launch_emulated(hf_jobs, tiny_model, hf_run_name, silence, STEPS="1000")
+    wait_for_log(env, jobs["trainer"], "step 1 ")
+    subprocess.run(["hf", "jobs", "cancel", jobs["trainer"]], env=env, check=True, timeout=60)
+    cancelled = time.time()
+    now = wait_until_ended(env, jobs, silence + 90)
     took = time.time() - cancelled
     assert {r: s["stage"] for r, s in now.items()} == {
         "proxy": "ERROR", "rollout-0": "COMPLETED", "trainer": "CANCELED"}, now
     assert took < silence + 90, took
-    proxy_log = subprocess.run(["hf", "jobs", "logs", jobs["proxy"]], env=env,
-                               capture_output=True, text=True, timeout=60).stdout
+    proxy_log = job_log(env, jobs["proxy"])
     assert f"nothing from the trainer for {silence} s" in proxy_log, proxy_log[-2000:]
+    assert job_log(env, jobs["trainer"]).count("starting fresh") == 1  # no second attempt
+
+
+def test_the_emulated_jobs_run_a_failed_command_again_while_attempts_remain(hf_jobs):
+    """bench/hf_jobs_emulator.py's `--attempts` (its docstring, 5.: what was read, what is
+    assumed): a failed command runs again in the same job, its log goes on; the last failure
+    ends the job in ERROR; a cancel and a timeout end it at once, attempts left or not."""
+    env = dict(hf_jobs, HF_EMU_SCHEDULING="0.5")
+    subprocess.run(["hf", "buckets", "create", "emulated-user/tries"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    count = 'n=$(($(cat /b/n 2>/dev/null || echo 0) + 1)); echo $n > /b/n; echo "run $n"; '
+    scripts = {"fails once": (2, "15m", count + '[ "$n" -ge 2 ]'),
+               "always fails": (3, "15m", 'echo run; exit 3'),
+               "cancelled": (3, "15m", 'echo run; sleep 600'),
+               "timed out": (3, "4s", 'echo run; sleep 600')}
+    jobs = {}
+    for case, (attempts, timeout, script) in scripts.items():
+        volume = ["-v", "hf://buckets/emulated-user/tries:/b"] if case == "fails once" else []
+        out = subprocess.run(["hf", "jobs", "run", "--detach", "--attempts", str(attempts),
+                              "--timeout", timeout, *volume, "python:3.12", "bash", "-c", script],
+                             env=env, capture_output=True, text=True, timeout=60).stdout
+        jobs[case] = re.search(r"[0-9a-f]{24}", out).group()
+    wait_for_log(env, jobs["cancelled"], "run", timeout=60)
+    subprocess.run(["hf", "jobs", "cancel", jobs["cancelled"]], env=env, check=True, timeout=60)
+    now = wait_until_ended(env, jobs, 60)
+    logs = {case: job_log(env, jid).split() for case, jid in jobs.items()}
+    assert {case: s["stage"] for case, s in now.items()} == {
+        "fails once": "COMPLETED", "always fails": "ERROR", "cancelled": "CANCELED",
+        "timed out": "ERROR"}, now
+    assert logs == {"fails once": ["run", "1", "run", "2"], "always fails": ["run"] * 3,
+                    "cancelled": ["run"], "timed out": ["run"]}, logs
+    assert now["timed out"]["message"].startswith("Job timeout"), now
+    shown = subprocess.run(["hf", "jobs", "inspect", "--format", "json", jobs["always fails"]],
+                           env=env, capture_output=True, text=True, timeout=60).stdout
+    assert json.loads(shown)[0]["retry"] == 2  # attempts - 1, as the Jobs API shows it
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_a_lost_trainer_machine_restarts_the_trainer_job_until_attempts_run_out(
+        hf_jobs, tiny_model, hf_run_name, kills):
+    """`bash jobs.sh` with TRAINER_ATTEMPTS=2 on the emulated Jobs, every process of the trainer
+    job SIGKILLed once its state of step 2 is saved. The second attempt, same job, resumes from
+    the bucket ("resumed from step 2"). Killed once: the run reaches its 6 steps and every job
+    is COMPLETED. Killed again (no attempt left): the trainer job is ERROR and the proxy's
+    PROXY_TRAINER_TIMEOUT ends the run; the replica exits. 120 s of silence: the trainer's first
+    start took over 60 s after the proxy's on this loaded machine."""
+    silence = 120
+    env, jobs = launch_emulated(hf_jobs, tiny_model, hf_run_name, silence, STEPS="6",
+                                TRAINER_ATTEMPTS="2")
+    trainer = jobs["trainer"]
+    lost = kill_job_machine_at(env, trainer, "saved state at step 2 ")
+    # the second attempt must resume before the proxy gives up on the trainer
+    if kills == 1:
+        wait_for_log(env, trainer, "resumed from step 2,", timeout=silence)
+    else:  # and is lost too, once it has resumed
+        lost_again = kill_job_machine_at(env, trainer, "resumed from step 2,", timeout=silence)
+    print(f"\nthe second attempt resumed {time.time() - lost:.0f} s after the first was killed")
+    now = wait_until_ended(env, jobs, silence + 90)
+    log = job_log(env, trainer)
+    assert log.count("starting fresh") == 1 and log.count("resumed from step") == 1, log[-3000:]
+    if kills == 1:
+        assert {r: s["stage"] for r, s in now.items()} == {
+            "proxy": "COMPLETED", "rollout-0": "COMPLETED", "trainer": "COMPLETED"}, now
+        assert "done: 6 steps" in log, log[-2000:]
+    else:
+        assert {r: s["stage"] for r, s in now.items()} == {
+            "proxy": "ERROR", "rollout-0": "COMPLETED", "trainer": "ERROR"}, now
+        assert time.time() - lost_again < silence + 90
+        proxy_log = job_log(env, jobs["proxy"])
+        assert f"nothing from the trainer for {silence} s" in proxy_log, proxy_log[-2000:]
 
 
 # ---- gpu_check.sh and setup.sh
