@@ -167,17 +167,18 @@ hf_cli() {  # sets HF, the CLI: `hf` on PATH (a test puts a stand-in first), els
   if command -v hf >/dev/null; then HF=(hf)
   elif [ -x .venv/bin/hf ]; then HF=(.venv/bin/hf)
   elif command -v uvx >/dev/null; then HF=(uvx hf)
-  else die "the hf CLI is missing: pip install -U 'huggingface_hub>=1.24' (or bash setup.sh)"; fi
+  else die "the hf CLI is missing: pip install -U 'huggingface_hub>=2.1' (or bash setup.sh)"; fi
   if [ "${HF[*]}" != hf ]; then hf() { "${HF[@]}" "$@"; }; fi
-  # --name arrived in huggingface_hub 1.24; an older CLI takes `--name X` for the image name.
+  # --attempts arrived in huggingface_hub 2.1 (--name in 1.24): an older CLI takes the flag for
+  # the image name and launches a broken job.
   local out v major minor
   out=$("${HF[@]}" version 2>&1 </dev/null) || die "'${HF[*]} version' failed: $out"
   v=$(printf '%s\n' "$out" | grep -i version | grep -oE '[0-9]+\.[0-9]+' | head -1 || true)
   [ -n "$v" ] || die "could not read a version in the output of '${HF[*]} version': $out"
   major=${v%%.*} minor=${v#*.}
-  if [ "$major" -lt 1 ] || { [ "$major" = 1 ] && [ "$minor" -lt 24 ]; }; then
-    die "'${HF[*]}' is huggingface_hub $v; jobs.sh needs hf >= 1.24 (hf jobs run --name):" \
-        "pip install -U 'huggingface_hub>=1.24'"
+  if [ "$major" -lt 2 ] || { [ "$major" = 2 ] && [ "$minor" -lt 1 ]; }; then
+    die "'${HF[*]}' is huggingface_hub $v; jobs.sh needs hf >= 2.1 (hf jobs run --attempts):" \
+        "pip install -U 'huggingface_hub>=2.1'"
   fi
 }
 hf_token() {  # HF_TOKEN from the environment, else the CLI's login (`--secrets HF_TOKEN` reads it)

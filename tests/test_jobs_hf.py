@@ -318,10 +318,12 @@ def test_hf_jobs_failed_launch_cancels_what_it_started(tmp_path, hf_run_name, fa
     assert open(os.path.join(ROOT, "runs", ".last-hf")).read().strip() == hf_run_name
 
 
-@pytest.mark.parametrize("version_output", ["✓ hf version\n  version: 1.23.0", "huggingface_hub version: 0.34.0"])
-def test_hf_jobs_refuses_an_hf_cli_older_than_1_24(tmp_path, hf_run_name, version_output):
+@pytest.mark.parametrize("version_output", ["✓ hf version\n  version: 2.0.0", "✓ hf version\n  version: 1.29.0",
+                                            "huggingface_hub version: 0.34.0"])
+def test_hf_jobs_refuses_an_hf_cli_older_than_2_1(tmp_path, hf_run_name, version_output):
+    """hf jobs run --attempts (the trainer's restarts) arrived in 2.1; 2.0 took it for the image."""
     res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", HF_STANDIN_VERSION=version_output)
-    assert res.returncode != 0 and "needs hf >= 1.24" in res.stderr, res.stderr
+    assert res.returncode != 0 and "needs hf >= 2.1" in res.stderr, res.stderr
     assert job_runs(calls) == []
 
 
