@@ -524,6 +524,16 @@ for w in sorted(set(reps) | set(counts)):
 PY
 }
 
+last_step() {  # the trainer's latest step line (reward, staleness, the sampler/learner gap
+  # |dlogp| and is_out: docs/sampler-mismatch.md), from the last lines of its job's log
+  local id line
+  id=$(awk '$1 == "trainer" {print $2}' "$RUN/jobs.txt")
+  [ -n "$id" ] || return 0
+  line=$("${HF[@]}" jobs logs --tail 50 "$id" 2>/dev/null </dev/null |
+         grep -oE 'step [0-9]+ v[0-9]+ \|.*' | tail -1 || true)
+  printf '\ntrainer, latest step (hf jobs logs):\n  %s\n' "${line:-none logged yet}"
+}
+
 manage_hf() {  # status | logs [ROLE] | stop
   [ -f "$RUN/jobs.txt" ] ||
     die "no job ids for run '$NAME' ($RUN/jobs.txt is missing): set NAME=<run name>"
@@ -533,7 +543,7 @@ manage_hf() {  # status | logs [ROLE] | stop
     status) while read -r role id <&3; do
               printf '%-10s %s  %s\n' "$role" "$id" "$(job_stage "$id")"
             done 3<"$RUN/jobs.txt"
-            local PYH; host_python; pool_shares ;;
+            local PYH; host_python; pool_shares; last_step ;;
     logs)   id=$(awk -v r="${2:-trainer}" '$1 == r {print $2}' "$RUN/jobs.txt")
             [ -n "$id" ] || die "no role '${2:-trainer}' in $RUN/jobs.txt" \
               "(roles: $(cut -d' ' -f1 "$RUN/jobs.txt" | tr '\n' ' '))"
