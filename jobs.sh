@@ -39,6 +39,7 @@ if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What i
   : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=0}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
   : "${THREADS:=1}"               # torch threads of each role's process (the cores are shared)
+  : "${TRAINER_GPUS:=1}"          # trainer processes (torchrun ranks, data parallel, on gloo)
   : "${NAME:=local-$(date +%Y%m%d-%H%M%S)}"
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
   : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
@@ -47,6 +48,7 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
   : "${ROLLOUT_FLAVORS:=}"   # a mixed pool, one replica per flavor: "a10g-small l4x1 t4-small"
+  : "${TRAINER_GPUS:=$(flavor_gpus "$TRAINER_FLAVOR")}"   # trainer ranks, one per GPU: h200x2: 2
   [ -z "$ROLLOUT_FLAVORS" ] || pool_size   # sets REPLICAS; the proxy shares each step by speed
   : "${IMAGE:=vllm/vllm-openai:v0.32.0}"   # setup.sh's vLLM pin: torch 2.13.0, transformers <5.20
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
@@ -65,6 +67,10 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   else : "${NAME:=$(cat runs/.last-hf 2>/dev/null || true)}"; fi
 fi
 MAX_NEW_TOKENS=$MAX_COMPLETION_LENGTH  # the old name, kept equal for scripts that read it
+case $TRAINER_GPUS in ''|0*|*[!0-9]*)
+  die "TRAINER_GPUS='$TRAINER_GPUS': the trainer's processes (torchrun ranks)," \
+      "a whole number >= 1" ;;
+esac
 : "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
@@ -107,6 +113,11 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
         --task "$TASK")   # the trainer re-scores each group from its task item (arith, gsm8k, math)
   if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
   add_words "$TRAINER_ARGS"
+  # TRAINER_GPUS > 1: torchrun starts that many ranks on this machine (data parallel, one GPU
+  # each; on CPUs, processes): rank 0 is the trainer the proxy sees (docs/hf-jobs.md)
+  if [ "$TRAINER_GPUS" -gt 1 ]; then
+    ARGS=(-m torch.distributed.run --standalone --nproc-per-node "$TRAINER_GPUS" "${ARGS[@]}")
+  fi
 }
 
 # ---------------------------------------------------------------------------------------------

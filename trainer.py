@@ -2,6 +2,8 @@
 
     python trainer.py --model Qwen/Qwen2.5-0.5B-Instruct --bucket /bucket \
         --proxy https://JOB--8000.hf.jobs
+    torchrun --standalone --nproc-per-node 2 trainer.py ...  # the same flags on 2 GPUs: data
+    # parallel, the update of one process; rank 0 alone talks to the proxy and the bucket
 
 The whole system on one CPU machine with the tiny test model (what tests/test_trainer.py runs;
 the toy reward goes from ~0.05 to ~0.9 in these 24 steps, ~20 s). The run's settings are given
@@ -21,9 +23,8 @@ The token for the proxy comes from PROXY_TOKEN. The trainer never generates: rol
 do, with the adapter versions this file publishes to the bucket (adapters/v{N:06d}, LATEST).
 Killed at any moment (SIGKILL, preemption), the same command resumes from the last saved state
 (bucket trainer/), loses at most the steps since that save, and never publishes a version twice.
-Logs on stdout: the first line says "resumed from step S, version V" or "starting fresh"; then
-"step N vV | reward ...", "published vV at step N", "saved state at step N (version V)",
-"done: ...".
+Logs on stdout: the first line says "resumed from step S, version V" or "starting fresh", then
+"step N vV | reward ...", "published vV at step N", "saved state at step N (version V)", "done".
 
 Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 1. By default the old policy is the replica's sampler (--old-logprobs sampler, as TRL's
@@ -75,6 +76,7 @@ import sync
 from support.buckets import BucketError, open_bucket, save_trainer_state
 from support.cli import trainer_args
 from support.contract import CONTRACT_FLAGS  # the settings read from the proxy in train()
+from support.data_parallel import ONE_PROCESS, follow_rank_zero, join_ranks  # torchrun
 from support.devices import checkpoint_layers  # --gradient-checkpointing
 from support.group_checks import Waiting, keep_usable  # what a hostile replica cannot do
 from support.proxy_client import ProxyClient, ProxyError
@@ -160,7 +162,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                               epsilon=0.2, epsilon_high=None, beta=0.0,
                               max_completion_length=None, temperature=1.0, delta=None,
                               version=None, use_bias_correction_kl=True,
-                              mask_truncated_completions=False, correction=None):
+                              mask_truncated_completions=False, correction=None,
+                              ranks=ONE_PROCESS):
     """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
 
     Each micro-batch's loss is weighted (grpo_loss.microbatch_weight) so that the sum is the loss
@@ -171,6 +174,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     leave the loss and the token counts, their rows stay in grpo's and dr_grpo's row counts.
     correction: grpo_loss.sampler_correction's keywords (TRL's names, --old-logprobs and the
     --vllm-importance-sampling-* flags): where the sampler's log-probs enter the loss.
+    ranks (torchrun): each rank forwards its share of the micro-batches; after the sums below,
+    every rank holds the gradient and the statistics of the whole step, as one process does.
     Returns StepStats.result's dict (loss, ratios, approx_kl, clip fractions, ...), and finite:
     False when the loss or a LoRA gradient is inf or NaN (then the optimizer must not step).
     """
@@ -178,11 +183,9 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
     total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
     record = StepStats(seqs, version, beta, epsilon, epsilon_high)
-    for idx in microbatches:
-        # masked: no loss; grpo and dr_grpo still divide by all B rows
-        idx = [i for i in idx if i not in masked]
-        # bnpo's normaliser: the whole micro-batch
-        mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)
+    for idx in ranks.my_share(microbatches):  # all of them in one process
+        idx = [i for i in idx if i not in masked]  # no loss; grpo, dr_grpo still count them
+        mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: all its rows
         if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
             idx = [i for g in by_group(seqs, idx) if bool((advantages[g] != 0).any())
                    for i in g]
@@ -212,7 +215,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
         record.add(idx, mask, loss.item() * weight, stats,  # the step's statistics, per row:
                    grpo_loss.offpolicy_stats(logps, sampled, mask, correction),
                    weights["off_policy_mask"])
-    out = record.result()
+    ranks.sum_gradients(model)  # every rank: the whole step's LoRA gradient
+    out = ranks.whole_step(record).result()  # every rank: the whole step's statistics
     out["finite"] = math.isfinite(out["loss"]) and grpo_loss.all_finite(  # each on its own device
         [p.grad for p in model.parameters() if p.requires_grad])
     return out
@@ -236,25 +240,58 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
             save_trainer_state(bucket, d)
 
 
-# ---- ALGO: the loop
+# ---- ALGO: the loop. grpo_update: phases 2-4 (under torchrun, every rank's); train(): the rest
 
-def train(args):
-    # rides out outages once it worked
-    bucket = open_bucket(args.bucket, retry_s=args.bucket_retry)
+def grpo_update(model, optimizer, groups, args, step, version, ranks=ONE_PROCESS):
+    """Phases 2-4 of step `step` on its groups, AdamW's step included (skipped when the loss or
+    gradient is not finite). Returns (seqs, micro-batches, stats, gradient norm, finite)."""
+    seqs = flatten_groups(groups, args.max_completion_length)
+    # whole groups, at most --micro-batch-tokens per forward/backward (one or more per rank)
+    mbs = make_microbatches(seqs, args.micro_batch_tokens, at_least=ranks.world)
+    # 2. advantages: each reward against its group's mean (and std: --scale-rewards)
+    rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
+    advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)
+    # 3. + 4. log-probs and the loss, the gradient accumulated over the micro-batches.
+    # Zeros, not None: all-equal groups still step AdamW's momentum, as TRL's do.
+    optimizer.zero_grad(set_to_none=False)
+    stats = compute_loss_and_backward(
+        model, seqs, advantages, mbs, loss_type=args.loss_type, epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high, beta=args.beta, delta=args.delta,
+        max_completion_length=args.max_completion_length, temperature=args.temperature,
+        version=version, use_bias_correction_kl=args.use_bias_correction_kl,
+        mask_truncated_completions=args.mask_truncated_completions,
+        correction={k: getattr(args, k) for k in grpo_loss.CORRECTION}, ranks=ranks)
+    grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
+    finite = stats.pop("finite") and math.isfinite(grad_norm)
+    # the schedule: a function of the step, so a resume continues it
+    decay = 1 - step / args.max_steps if args.lr_scheduler_type == "linear" else 1
+    for g in optimizer.param_groups:
+        g["lr"] = args.learning_rate * decay
+    if finite:
+        optimizer.step()
+    elif ranks.rank == 0:  # a poisoned group must not reach the weights: the same ones again
+        print(f"step {step + 1}: loss {stats['loss']} / gradient norm {grad_norm}: not "
+              "finite, update skipped", file=sys.stderr)
+    return seqs, mbs, stats, grad_norm, finite
+
+
+def train(args, ranks=ONE_PROCESS):
+    if ranks.rank > 0:  # torchrun: the other ranks never talk to the proxy or the bucket
+        return follow_rank_zero(args, ranks, grpo_update)
+    bucket = open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
     client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN
     # a wrong URL or token ends here
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
-    # the run's settings: the proxy's
-    vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})
+    vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})  # the run's settings: the proxy's
     # the model with a fresh LoRA, or as the resume state in the bucket left it; its versions
     # follow its own (with TRAINER_STATE_KEY, a LATEST it did not write is passed over)
     run = start_run(args, bucket, contract)
     model, optimizer, step, version = run.model, run.optimizer, run.step, run.version
     groups_consumed = run.groups_consumed
+    ranks.start_alike(args, model, optimizer, step, version)  # torchrun: every rank starts here
     if args.gradient_checkpointing:  # each layer's activations recomputed in the backward pass
         checkpoint_layers(model)
-    # versions kept in the bucket: every one a replica may still be using
-    keep = args.max_staleness + 2
+    keep = args.max_staleness + 2  # versions kept in the bucket: any a replica may still use
     # what the model takes, announced with every version: the proxy refuses other groups (400)
     vocab_size = model.get_input_embeddings().num_embeddings
     client.set_limits(vocab_size=vocab_size, context_length=run.limits["context"])
@@ -286,37 +323,11 @@ def train(args):
                                vocab_size, dropped, task_rewards, **run.limits)
         groups_consumed += len(groups)
         t1 = time.time()
-        seqs = flatten_groups(groups, args.max_completion_length)
-        # whole groups, at most --micro-batch-tokens per forward/backward
-        mbs = make_microbatches(seqs, args.micro_batch_tokens)
-        # 2. advantages: each reward against its group's mean (and std: --scale-rewards)
-        rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
-        advantages = grpo_loss.group_advantages(rewards, args.num_generations,
-                                                args.scale_rewards)  # (B,)
-        # 3. + 4. log-probs and the loss, the gradient accumulated over the micro-batches.
-        # Zeros, not None: all-equal groups still step AdamW's momentum, as TRL's do.
-        optimizer.zero_grad(set_to_none=False)
-        stats = compute_loss_and_backward(
-            model, seqs, advantages, mbs, loss_type=args.loss_type, epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high, beta=args.beta, delta=args.delta,
-            max_completion_length=args.max_completion_length, temperature=args.temperature,
-            version=version, use_bias_correction_kl=args.use_bias_correction_kl,
-            mask_truncated_completions=args.mask_truncated_completions,
-            correction={k: getattr(args, k) for k in grpo_loss.CORRECTION})
-        grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm)
-        grad_norm = grad_norm.item()
-        finite = stats.pop("finite") and math.isfinite(grad_norm)
+        # 2.-4. advantages, log-probs and loss, one AdamW step (torchrun: on every rank)
+        seqs, mbs, stats, grad_norm, finite = grpo_update(
+            model, optimizer, ranks.same_groups(groups), args, step, version, ranks)
         # a group whose ratio no honest sampler gives: named (inert under delta, departure 8)
         name_absurd(step, groups, absurd := stats.pop("absurd_ratio"), args.delta)
-        # the schedule: a function of the step, so a resume continues it
-        decay = 1 - step / args.max_steps if args.lr_scheduler_type == "linear" else 1
-        for g in optimizer.param_groups:
-            g["lr"] = args.learning_rate * decay
-        if finite:
-            optimizer.step()
-        else:  # one poisoned group must not reach the weights: skip the update, publish the same
-            print(f"step {step + 1}: loss {stats['loss']} / gradient norm {grad_norm}: not "
-                  "finite, update skipped", file=sys.stderr)
         step += 1
         # the step's record: metrics/ in the bucket, --report-to, one line on stdout
         log_step(run, args, groups, seqs, stats, step=step, version=version, grad_norm=grad_norm,
@@ -337,8 +348,10 @@ def main(argv=None):
     args = trainer_args(argv, description=__doc__.split("\n")[0])
     # each log line reaches a piped log (or a watcher) at once
     sys.stdout.reconfigure(line_buffering=True)
-    try:
-        train(args)
+    try:  # torchrun: this rank of N (support/data_parallel.py); else one process, no group
+        ranks = join_ranks(args.wait_timeout, args.bucket_retry)
+        train(args, ranks)
+        ranks.leave()
     except (ProxyError, BucketError, TrainerError) as e:
         sys.exit(f"trainer.py: error: {e}")
 

@@ -19,8 +19,8 @@ show_settings() {
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
            TEMPERATURE MAX_COMPLETION_LENGTH ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
            LORA_ALPHA LOSS_TYPE BETA SAVE_EVERY SEED ENGINE EVAL_LIMIT END_GRACE THREADS BUCKET \
-           PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR IMAGE \
-           PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT PROXY_TRAINER_TIMEOUT JOB_ENV TRAINER_ARGS \
+           PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR TRAINER_GPUS \
+           IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT PROXY_TRAINER_TIMEOUT JOB_ENV TRAINER_ARGS \
            ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
@@ -153,6 +153,9 @@ pool_size() {  # REPLICAS := the number of flavors in ROLLOUT_FLAVORS, each chec
   [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = $n ] || die "REPLICAS=$REPLICAS, but ROLLOUT_FLAVORS" \
     "names $n flavors: drop REPLICAS (ROLLOUT_FLAVORS makes one replica per flavor)"
   REPLICAS=$n
+}
+flavor_gpus() {  # FLAVOR — its GPUs: the "xN" suffix (h200x2: 2, l4x1: 1), else 1
+  case $1 in *x[1-9]|*x[1-9][0-9]) echo "${1##*x}" ;; *) echo 1 ;; esac
 }
 replica_flavor() {  # I — replica I's flavor: word I of ROLLOUT_FLAVORS, else ROLLOUT_FLAVOR
   local i=$1

@@ -3,6 +3,7 @@ trainer.plain_logprobs (tests/test_shared_prompt.py checks them equal), each pro
 once per group instead of once per completion; and the micro-batches of whole groups it needs.
 
     make_microbatches        the step's rows in micro-batches of whole groups, <= max_tokens each
+                             (and at least one per rank, data parallel)
     plain_logprobs_fast      plain_logprobs of a micro-batch, each prompt through the model once
     collate                  its tensors: the prompts' common prefix, the rests of the prompts,
                              the completions, and which prompt row each completion continues
@@ -23,11 +24,23 @@ def by_group(seqs, idx):
     return list(groups.values())
 
 
-def make_microbatches(seqs, max_tokens):
+def make_microbatches(seqs, max_tokens, at_least=1):
     """Split the step into micro-batches of whole groups, at most max_tokens each (padding counted,
     and each group's prompt once: k groups of n completions cost k * longest prompt + n * longest
     completion). Longest first, so that an out-of-memory shows on the first pass; a group over
-    budget goes alone. Returns index lists."""
+    budget goes alone. at_least: the budget shrinks by a fifth until there are that many
+    micro-batches (or one per group): one or more for each of that many ranks (data parallel),
+    about equal in size. Returns index lists."""
+    batches, groups = pack_groups(seqs, max_tokens), len(by_group(seqs, range(len(seqs))))
+    while len(batches) < min(at_least, groups):
+        max_tokens = max_tokens * 4 // 5
+        batches = pack_groups(seqs, max_tokens)
+    return batches
+
+
+def pack_groups(seqs, max_tokens):
+    """make_microbatches with one budget: whole groups, longest first, each batch filled greedily
+    up to max_tokens."""
     def cost(gs):
         return (len(gs) * max(len(seqs[g[0]]["prompt_ids"]) for g in gs)
                 + sum(map(len, gs)) * max(len(seqs[i]["ids"]) for g in gs for i in g))

@@ -83,6 +83,22 @@ class StepStats:
         self.rows.append(torch.stack(columns, 1).cpu())  # (n, 1 + len(STAT_COLUMNS))
         self.row_groups += [self.seqs[i]["group"] for i in idx]
 
+    def share(self):
+        """What this record gathered, without seqs: what merge takes from each rank."""
+        return {"sums": self.sums, "rows": self.rows, "row_groups": self.row_groups,
+                "forwarded": self.forwarded}
+
+    def merge(self, shares):
+        """Gather what every rank's record did (their share(), this one's among them) instead of
+        this record's own: data parallel's whole step (support/data_parallel.py)."""
+        self.sums = {}
+        for s in shares:
+            for k, v in s["sums"].items():
+                self.sums[k] = self.sums.get(k, 0.0) + v
+        self.rows = [r for s in shares for r in s["rows"]]
+        self.row_groups = [k for s in shares for k in s["row_groups"]]
+        self.forwarded = sum(s["forwarded"] for s in shares)
+
     def result(self):
         """A dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max
         (ratio_mean and ratio_max are None when no group was forwarded: every advantage was 0),
