@@ -211,7 +211,8 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
         wanted one step ahead (t + 1; more for a pool whose leases outlast a trainer step:
         _ahead). So: the groups of steps t .. min(v + S, t + ahead), less those this step took,
         those buffered and those leased to replicas that keep up (_coming), at most this
-        replica's share of a step (_lease_size), and only what arrives in time (_in_time)."""
+        replica's share of a step (_lease_size), and only what arrives in time (_in_time).
+        With one replica: min((min(v + S, t + 1) - t + 1) * B - taken - buffered, B) groups."""
         c, t, now = self.contract, self.trainer_version, time.monotonic()
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:

@@ -12,7 +12,7 @@ once, to the proxy; the replica and the trainer read them from it:
     python tests/tiny_model.py /tmp/tiny
     export PROXY_TOKEN=secret OMP_NUM_THREADS=1
     python proxy.py --port 8000 --num-generations 8 --groups-per-step 4 --max-staleness 2 \
-        --max-new-tokens 6 &
+        --max-completion-length 6 &
     python rollout.py --engine hf --task toy --model /tmp/tiny --bucket runs/toy \
         --proxy http://127.0.0.1:8000 &
     python trainer.py --model /tmp/tiny --bucket runs/toy --proxy http://127.0.0.1:8000 \
