@@ -68,8 +68,8 @@ CORRECTION = ("old_logprobs", "vllm_importance_sampling_correction",
 LOG_RATIO_MAX = 20.0  # exp(20) = 4.9e8, far from float32's overflow at exp(88.7) (departure 6)
 
 
-# ---- ALGO: the step's math in trainer.py's order: 2. advantages (group_advantages)
-# 3. log-probs (token_logprobs, log_ratio)  4. the loss (sampler_correction: which log-probs are
+# ---- ALGO: the step's math, README's steps 6. advantages (group_advantages)
+# 7. log-probs (token_logprobs, log_ratio)  8. the loss (sampler_correction: which log-probs are
 # the old policy; policy_loss, microbatch_weight). At the defaults that is the whole step: the
 # OPTIONS below (TRL's vLLM importance weights, the off-policy mask) and the SUPPORT after them
 # (settings check, the logs' statistics) can be read later.

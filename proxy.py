@@ -2,12 +2,12 @@
 rollout buffer, the trainer's version, the generation quota and the end of the run.
 
 The proxy's part of a GRPO step, in this file's order (the state, all of it in RolloutBuffer):
-    3. the buffer     replicas POST groups (RolloutBuffer.add); the trainer takes B per step,
+    4-5. the buffer   replicas POST groups (RolloutBuffer.add); the trainer takes B per step,
                       oldest first (RolloutBuffer.take, GET /batch)
-    4. the handshake  the trainer announces each adapter version (set_version, POST /version);
+    9-10. handshake   the trainer announces each adapter version (set_version, POST /version);
                       each replica asks how many groups to make (quota, GET /quota)
-1 and 2, the contract (CONTRACT: the settings every role reads from GET /config) and the group
-record (GROUP), are shared by all three roles: support/contract.py. The rest is support, not
+The contract (CONTRACT: the settings every role reads from GET /config) and the group record
+(GROUP) are shared by all three roles: support/contract.py. The rest is support, not
 needed to follow a step: support/leases.py (the lease arithmetic, add()'s checks, counters),
 support/proxy_service.py (credentials, the HTTP routes), support/http_hardening.py.
 
@@ -52,7 +52,7 @@ from support.worker_bounds import MAX_WORKER_SHARE, WorkerBounds
 log = logging.getLogger("proxy")
 
 
-# ---- ALGO: the run's state, under one lock: 3. the buffer  4. the version handshake
+# ---- ALGO: the run's state, under one lock: 4-5. the buffer  9-10. the version handshake
 
 class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
     """The run's state: a queue of usable groups (oldest adapter first) bounded in groups and
@@ -104,7 +104,7 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
         self.staleness = collections.Counter()
         self.unconfirmed, self.deliveries = {}, 0  # delivery id -> (groups, version): see take()
 
-    # ---- ALGO, 3. the buffer: replicas add groups, the trainer takes them, oldest adapter first
+    # ---- ALGO, 4-5. the buffer: replicas add groups, the trainer takes them, oldest adapter first
 
     def add(self, groups, limited=False):
         """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't
@@ -150,7 +150,7 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
             self._deliver(out, self.trainer_version)
             return out, self.trainer_version, self._hold(out, ack)  # until the next ack
 
-    # ---- ALGO, 4. the version handshake: how a new adapter reaches the replicas
+    # ---- ALGO, 9-10. the version handshake: how a new adapter reaches the replicas
     #   a. trainer.publish writes the adapter's files, its manifest, then adapters/LATEST (sync.py)
     #   b. the trainer POSTs /version v: set_version drops the groups now too stale, wakes the polls
     #   c. each replica's GET /quota (quota) returns at once: v is past the adapter it holds

@@ -58,7 +58,8 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 REPLICA_FLAGS = tuple(k for k in CONTRACT_FLAGS if k != "groups_per_step")  # it takes no step
 
 
-# ---- ALGO: 1. ask the proxy  2. maybe reload the adapter  3. sample  4. score and push
+# ---- ALGO, README's steps: 1. ask the proxy  10. maybe reload the adapter  2. sample
+# 3. score, push
 
 class Replica:
     """One replica's state between batches: the adapter version in use, the trainer's version,
@@ -115,7 +116,7 @@ class Replica:
         if q["state"] == "done":
             self.log(f"the trainer is done (v{t}): exiting after {self.batches} batches")
             return False
-        # 2. maybe reload: the trainer is past our adapter, and the newest adapter makes the same
+        # 10. maybe reload: the trainer is past our adapter, and the newest adapter makes the same
         #    groups fresher.
         lagging = t is not None and t > self.version
         if lagging:
@@ -126,7 +127,7 @@ class Replica:
                 self.log(f"the proxy says the trainer is at v{t}, but {self.bucket.url} shows only "
                          f"v{self.version}: a mount lagging, or not the trainer's --bucket")
                 self.lag_logged = t
-        # 3. + 4. maybe generate, score and push: only when the proxy asks for groups, and with an
+        # 2. + 3. maybe generate, score and push: only when the proxy asks for groups, and with an
         #    adapter the trainer has announced (a group from a later version would be refused).
         wait = q["groups"] == 0 or t is None or self.version > t
         if wait and q["why"] and q["why"] != self.why:  # each reason to wait said once

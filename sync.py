@@ -63,8 +63,9 @@ from support.adapter_tags import (MAX_VERSION, adapter_key, check_adapter, check
 PULLED = ".pulled-by-sync"  # the mark pull_adapter leaves in each folder it creates
 
 
-# ---- ALGO: 1. publish a version (its files, its manifest, then LATEST)  2. find the newest
-#           3. pull it, verified against its manifest (a replica keeps its pulls in AdapterCache)
+# ---- ALGO, README's steps 9-10: publish a version (its files, its manifest, then LATEST); find
+#           the newest; pull it, verified against its manifest (a replica keeps its pulls in
+#           AdapterCache)
 
 def publish_adapter(bucket, adapter_dir, version, keep=6, key=None, trainer_key=None, **meta):
     """Upload a PEFT folder to adapters/v{version:06d}/, then its manifest.json (+ meta such as

@@ -86,10 +86,10 @@ from support.step_record import StepStats, log_step, name_absurd  # metrics, the
 from support.trainer_state import TrainerError, lora_parameters, start_run, write_state
 
 
-# ---- ALGO: 1. take a batch  2. advantages  3. log-probs  4. loss  5. publish
+# ---- ALGO, README's steps 5-9: 5. take a batch  6. advantages  7. log-probs  8. loss  9. publish
 # The functions of each phase in that order; train() at the end runs them, a step per loop.
 
-# ---- ALGO, 1. take a batch: groups from the proxy, one record per completion
+# ---- ALGO, 5. take a batch: groups from the proxy, one record per completion
 
 def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None, rewards=None,
                   **limits):
@@ -121,8 +121,8 @@ def flatten_groups(groups, max_completion_length):
             for k, g in enumerate(groups) for c in g["completions"]]
 
 
-# ---- ALGO, 2. advantages: grpo_loss.group_advantages (called in train)
-# ---- ALGO, 3. log-probs of the completions under the current policy. plain_logprobs is the
+# ---- ALGO, 6. advantages: grpo_loss.group_advantages (called in train)
+# ---- ALGO, 7. log-probs of the completions under the current policy. plain_logprobs is the
 # definition; the step runs plain_logprobs_fast (support/shared_prompt.py), the same values and
 # gradients with each group's prompt forwarded once (tests/test_shared_prompt.py checks them equal)
 
@@ -156,7 +156,7 @@ def completion_tensors(seqs, idx, device):
     return old.to(device), mask.to(device)
 
 
-# ---- ALGO, 4. loss: grpo_loss.policy_loss per micro-batch, its gradient accumulated
+# ---- ALGO, 8. loss: grpo_loss.policy_loss per micro-batch, its gradient accumulated
 
 def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="dapo",
                               epsilon=0.2, epsilon_high=None, beta=0.0,
@@ -222,7 +222,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     return out
 
 
-# ---- ALGO, 5. publish: the adapter to the bucket (and the resume state), then the proxy
+# ---- ALGO, 9. publish: the adapter to the bucket (and the resume state), then the proxy
 
 def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None, key=None,
             adapter_key=None, saved_step=None):
@@ -240,7 +240,7 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
             save_trainer_state(bucket, d)
 
 
-# ---- ALGO: the loop. grpo_update: phases 2-4 (under torchrun, every rank's); train(): the rest
+# ---- ALGO: the loop. grpo_update: steps 6-8 (under torchrun, every rank's); train(): the rest
 
 def grpo_update(model, optimizer, groups, args, step, version, ranks=ONE_PROCESS):
     """Phases 2-4 of step `step` on its groups, AdamW's step included (skipped when the loss or
@@ -248,10 +248,10 @@ def grpo_update(model, optimizer, groups, args, step, version, ranks=ONE_PROCESS
     seqs = flatten_groups(groups, args.max_completion_length)
     # whole groups, at most --micro-batch-tokens per forward/backward (one or more per rank)
     mbs = make_microbatches(seqs, args.micro_batch_tokens, at_least=ranks.world)
-    # 2. advantages: each reward against its group's mean (and std: --scale-rewards)
+    # 6. advantages: each reward against its group's mean (and std: --scale-rewards)
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
     advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)
-    # 3. + 4. log-probs and the loss, the gradient accumulated over the micro-batches.
+    # 7. + 8. log-probs and the loss, the gradient accumulated over the micro-batches.
     # Zeros, not None: all-equal groups still step AdamW's momentum, as TRL's do.
     optimizer.zero_grad(set_to_none=False)
     stats = compute_loss_and_backward(
@@ -317,13 +317,13 @@ def train(args, ranks=ONE_PROCESS):
     # The GRPO loop: one optimizer step, and one adapter version, per batch.
     while step < args.max_steps:
         t0 = time.time()
-        # 1. take a batch: groups_per_step groups (a long poll), one record per completion
+        # 5. take a batch: groups_per_step groups (a long poll), one record per completion
         dropped = {}  # why -> groups dropped while gathering this step's (group_problem, rewards)
         groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
                                vocab_size, dropped, task_rewards, **run.limits)
         groups_consumed += len(groups)
         t1 = time.time()
-        # 2.-4. advantages, log-probs and loss, one AdamW step (torchrun: on every rank)
+        # 6.-8. advantages, log-probs and loss, one AdamW step (torchrun: on every rank)
         seqs, mbs, stats, grad_norm, finite = grpo_update(
             model, optimizer, ranks.same_groups(groups), args, step, version, ranks)
         # a group whose ratio no honest sampler gives: named (inert under delta, departure 8)
@@ -333,7 +333,7 @@ def train(args, ranks=ONE_PROCESS):
         log_step(run, args, groups, seqs, stats, step=step, version=version, grad_norm=grad_norm,
                  finite=finite, dropped=dropped, absurd=absurd, micro_batches=len(mbs),
                  times=(t0, t1, time.time()), reward_check_s=task_rewards.lap())
-        # 5. publish: one version per optimizer step (and the resume state every --save-every)
+        # 9. publish: one version per optimizer step (and the resume state every --save-every)
         version += 1
         publish_and_save(version, save=step % args.save_every == 0 or step == args.max_steps)
     client.done()  # replicas learn it from /quota and exit; the proxy exits after them
