@@ -301,7 +301,10 @@ replicas exit. Stop everything now (billing stops, nothing restarts): bash jobs.
 EOT
 }
 
-if [ "$mode" = local ]; then run_local
-elif [ "$action" = launch ]; then launch_hf
-elif [ "$action" = preflight ]; then preflight_hf
-else manage_hf "$@"; fi
+{  # one command, read whole before it runs: editing this file during a run cannot change the run
+  if [ "$mode" = local ]; then run_local
+  elif [ "$action" = launch ]; then launch_hf
+  elif [ "$action" = preflight ]; then preflight_hf
+  else manage_hf "$@"; fi
+  exit
+}
