@@ -243,8 +243,8 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
 # ---- ALGO: the loop. grpo_update: steps 6-8 (under torchrun, every rank's); train(): the rest
 
 def grpo_update(model, optimizer, groups, args, step, version, ranks=ONE_PROCESS):
-    """Phases 2-4 of step `step` on its groups, AdamW's step included (skipped when the loss or
-    gradient is not finite). Returns (seqs, micro-batches, stats, gradient norm, finite)."""
+    """README's steps 6-8 on this step's groups: advantages, log-probs, loss, AdamW (skipped if
+    not finite). Returns (seqs, micro-batches, stats, gradient norm, finite)."""
     seqs = flatten_groups(groups, args.max_completion_length)
     # whole groups, at most --micro-batch-tokens per forward/backward (one or more per rank)
     mbs = make_microbatches(seqs, args.micro_batch_tokens, at_least=ranks.world)
