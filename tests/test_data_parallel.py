@@ -8,7 +8,8 @@
    the masks, and with a rank that forwards nothing; both ranks end with the same weights. One
    torchrun of this file (its __main__ is the worker) computes every case; each is a test.
 2. A 2-rank trainer against a real proxy and replica learns the toy task; a SIGKILL of rank 1
-   ends rank 0 through torchrun's agent, which names the rank; the same command resumes.
+   ends rank 0 through torchrun's agent, which names the rank; one plain process resumes from
+   the bucket, is killed in turn, and the 2-rank command resumes from its state (N changes).
 3. Without torchrun's agent (two plain processes with its variables), a rank whose peer dies
    while it waits on it ends with one clear line, in seconds.
 4. jobs.sh: TRAINER_GPUS (by default the trainer flavour's GPUs) ranks, started by torchrun.
@@ -155,47 +156,69 @@ def rank_pid(parent, rank):
     return None
 
 
-def test_a_2_rank_run_learns_and_resumes_after_a_rank_is_killed(cluster):
-    cmd = TORCHRUN + cluster.cmd(24, "--save-every", "4")[1:]
-    with open(cluster.tmp / "run1.err", "w") as err:
+def run_until(cmd, tmp, name, step, kill):
+    """Start cmd, read its stdout until the line "step {step} ", then kill(process); its stdout and
+    stderr (tmp/name.err) after it ended, and the time of the kill."""
+    with open(tmp / f"{name}.err", "w") as err:
         p = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=err,
                              text=True)
         watchdog = threading.Timer(240, p.kill)
         watchdog.start()
-        run1, killed = "", None
-        for line in p.stdout:  # kill rank 1 three steps after the state saved at step 4
-            run1 += line
-            if line.startswith("step 7 "):
-                os.kill(rank_pid(p.pid, 1), signal.SIGKILL)
+        out, killed = "", None
+        for line in p.stdout:
+            out += line
+            if line.startswith(f"step {step} "):
+                kill(p)
                 killed = time.time()
                 break
-        run1 += p.stdout.read()
+        out += p.stdout.read()
         p.wait()
         watchdog.cancel()
-    log = (cluster.tmp / "run1.err").read_text()
+    return p, out, (tmp / f"{name}.err").read_text(), killed
+
+
+def test_a_2_rank_run_learns_and_resumes_after_a_kill_as_1_process_then_as_2(cluster):
+    """The resume state is the full LoRA and AdamW state whatever N: 2 ranks (rank 1 killed at step
+    7, state saved at 4) -> one plain process from step 4 (killed at step 11, state saved at 8)
+    -> 2 ranks again from step 8, to the end; the toy reward rises across the three."""
+    one = cluster.cmd(24, "--save-every", "4")  # python trainer.py ...
+    cmd = TORCHRUN + one[1:]
+    p, run1, log, killed = run_until(cmd, cluster.tmp, "run1", 7,
+                                     lambda p: os.kill(rank_pid(p.pid, 1), signal.SIGKILL))
     assert killed and p.returncode != 0, run1[-2000:] + log[-2000:]
     assert time.time() - killed < 60, "torchrun ends the other rank"
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", log) and "Signal 9" in log, log[-2000:]
     assert "saved state at step 4 (version 4)" in run1
 
+    p, run2, log, killed = run_until(one, cluster.tmp, "run2", 11, lambda p: p.kill())
+    assert killed and p.returncode == -signal.SIGKILL, run2[-2000:] + log[-2000:]
+    assert run2.splitlines()[0].startswith("resumed from step 4, version 4"), run2[:500]
+    assert [int(s) for s in re.findall(r"^step (\d+) ", run2, re.M)] == list(range(5, 12))
+    assert re.search(r"^saved state at step 8 \(version \d+\)$", run2, re.M), run2[-2000:]
+
     r = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert r.stdout.splitlines()[0].startswith("resumed from step 4, version 4"), r.stdout[:500]
-    assert [int(s) for s in re.findall(r"^step (\d+) ", r.stdout, re.M)] == list(range(5, 25))
-    v1, v2 = published(run1), published(r.stdout)
-    assert v1 + v2 == sorted(set(v1 + v2)), f"a version was published twice: {v1} then {v2}"
-    assert len(re.findall(r"^step 5 ", r.stdout, re.M)) == 1, "one rank logs"
+    assert r.stdout.splitlines()[0].startswith("resumed from step 8, version "), r.stdout[:500]
+    assert [int(s) for s in re.findall(r"^step (\d+) ", r.stdout, re.M)] == list(range(9, 25))
+    v1, v2, v3 = published(run1), published(run2), published(r.stdout)
+    assert v1 + v2 + v3 == sorted(set(v1 + v2 + v3)), f"a version published twice: {v1, v2, v3}"
+    assert len(re.findall(r"^step 9 ", r.stdout, re.M)) == 1, "one rank logs"
 
     from support import buckets
 
-    recs = buckets.read_metrics(cluster.bucket)  # a step redone after the resume: its new record
+    recs = buckets.read_metrics(cluster.bucket)  # a step redone after a resume: its new record
     by_step = {m["step"]: m for m in recs}
+    assert sorted(by_step) == list(range(1, 25))
+    # the schedule goes on across the resumes: --lr-scheduler-type linear over the 24 steps
+    assert [by_step[s]["learning_rate"] for s in range(1, 25)] == \
+        pytest.approx([1e-3 * (1 - i / 24) for i in range(24)])
     first = sum(by_step[s]["reward_mean"] for s in range(1, 6)) / 5
     last = sum(by_step[s]["reward_mean"] for s in range(20, 25)) / 5
-    print(f"toy reward, 2 ranks: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    print(f"toy reward, 2 ranks, 1, then 2: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert first < 0.3 and last > first + 0.4, f"reward {first:.3f} -> {last:.3f}: no learning"
-    assert all(m["micro_batches"] >= 2 for m in recs), "each rank takes a share"
+    two = [by_step[s] for s in (*range(1, 5), *range(9, 25))]  # the steps the 2-rank runs kept
+    assert all(m["micro_batches"] >= 2 for m in two), "each rank takes a share"
 
 
 # ----------------------------------------------------------------------------- 3. no agent
