@@ -59,10 +59,10 @@ MODES = {  # the loss -> TRAINER_ARGS
 TOY_STEPS = 16  # the toy task on the tiny model (docs/sampler-mismatch.md: 16 steps)
 
 
-def settings(staleness, modes, reference):
-    """(replica dtype, max_staleness, mode) to run: bf16 under every mode, then the fp32
+def settings(staleness, modes, reference, dtype="bfloat16"):
+    """(replica dtype, max_staleness, mode) to run: dtype (bf16) under every mode, then the fp32
     reference (`sampler`) per staleness."""
-    out = [("bfloat16", s, m) for s in staleness for m in modes]
+    out = [(dtype, s, m) for s in staleness for m in modes]
     return out + ([("float32", s, "sampler") for s in staleness] if reference else [])
 
 
@@ -216,15 +216,16 @@ def table(records, task):
         if finished(r, task):
             groups.setdefault((r["dtype"], r["staleness"], r["mode"]), []).append(r)
     what = "mean reward, last third of steps" if task == "toy" else "final greedy accuracy"
-    lines = [f"| replica | max staleness | loss | seeds | {what}: median (min..max) | "
+    lines = [f"| replica | max staleness | loss | seeds | {what}: median (min..max) | run s | "
              "k | steps | `sampling_logp_difference` mean | max | weights `w` | `outside_frac` |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = lambda g: (g[0][1], g[0][0] == "float32", list(MODES).index(g[0][2]))  # noqa: E731
     for (dtype, staleness, mode), rs in sorted(groups.items(), key=order):
         xs = [outcome(r, task) for r in rs]
         seeds = ",".join(str(r["seed"]) for r in rs)
         lines.append(f"| {dtype} | {staleness} | `{mode}` | {seeds} | {statistics.median(xs):.3f} "
                      f"({min(xs):.3f}..{max(xs):.3f}) | "
+                     f"{statistics.median(r['wall_s'] for r in rs):.0f} | "
                      + " | ".join(mismatch_cells(pooled([r["mismatch"] for r in rs]))) + " |")
     lines += ["", f"Against a baseline at the same staleness ({what}): each learner mode against"
               " `sampler`, the bf16 replica against the fp32 one; the runs' rank-sum test"
@@ -263,6 +264,8 @@ def main():
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated SEED values")
     p.add_argument("--staleness", default="0,2", help="comma-separated MAX_STALENESS values")
     p.add_argument("--modes", default=",".join(MODES), help=f"some of {', '.join(MODES)}")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the replica's dtype under every mode (float32: jobs.sh --local's own)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="leave out the float32-replica `sampler` rows")
     p.add_argument("--env", action="append", default=[], metavar="K=V",
@@ -286,7 +289,8 @@ def main():
             env_extra["STEPS"] = str(a.steps)
         done = {(r["dtype"], r["staleness"], r["mode"], r["seed"])
                 for r in load(path) if finished(r, a.task)}
-        todo = settings([int(s) for s in a.staleness.split(",")], a.modes.split(","), a.reference)
+        todo = settings([int(s) for s in a.staleness.split(",")], a.modes.split(","),
+                        a.reference and a.dtype != "float32", a.dtype)
         for seed in [int(s) for s in a.seeds.split(",")]:  # seed-major: a cut run has matched seeds
             for setting in todo:
                 if (*setting, seed) in done:

@@ -763,18 +763,27 @@ def batches(run, key, G):
     return out
 
 
+def spans_of(steps, parts=3):
+    """Steps 1..steps in `parts` spans: [(0, 10), (10, 20), (20, 30)] for 30 in thirds."""
+    edges = [round(steps * k / parts) for k in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def span_means(per_step, field, spans):
+    """The mean of per_step's `field` (batches' rows, any seeds) over each span's steps."""
+    cells = [[b[field] for b in per_step if lo < b["step"] <= hi] for lo, hi in spans]
+    return [f"{sum(c) / len(c):.2f}" if c else "-" for c in cells]
+
+
 def batch_table(runs, steps, G, parts=3):
     """Each side's batches, the mean over seeds and over each third of the run's steps."""
-    edges = [round(steps * k / parts) for k in range(parts + 1)]
-    spans = list(zip(edges[:-1], edges[1:]))
+    spans = spans_of(steps, parts)
     seeds = sorted({s for s, _ in runs})
     rows = []
     for field, what in BATCH_ROWS:
         for key, side in (("trl", "TRL"), ("ours", "ours")):
             per_step = [b for s in seeds for b in batches(runs[(s, key)], key, G)]
-            cells = [[b[field] for b in per_step if lo < b["step"] <= hi] for lo, hi in spans]
-            rows.append((f"{what}, {side}",
-                         *(f"{sum(c) / len(c):.2f}" if c else "-" for c in cells)))
+            rows.append((f"{what}, {side}", *span_means(per_step, field, spans)))
     head = (f"mean over {len(seeds)} seeds", *(f"steps {lo + 1}-{hi}" for lo, hi in spans))
     return markdown(head, rows)
 

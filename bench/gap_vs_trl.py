@@ -36,12 +36,10 @@ def runs(dirs, trl, G=8, steps=30):
             finals.append(float(re.search(r"final adapter\s*\|\s*([\d.]+)%", f.read()).group(1)))
     print("ours' finals:", " / ".join(f"{a:.1f}%" for a in finals),
           f"(median {sorted(finals)[len(finals) // 2]:.1f}%)")
-    edges = [round(steps * k / 3) for k in range(4)]
+    rows = [b for d in dirs for b in bench_vs_trl.batches({"run_dir": d}, "ours", G)]
     for field, what in bench_vs_trl.BATCH_ROWS:
-        rows = [b for d in dirs for b in bench_vs_trl.batches({"run_dir": d}, "ours", G)]
-        cells = [[b[field] for b in rows if lo < b["step"] <= hi]
-                 for lo, hi in zip(edges, edges[1:])]
-        print(f"{what}, ours: " + " | ".join(f"{sum(c) / len(c):.2f}" for c in cells))
+        spans = bench_vs_trl.spans_of(steps)
+        print(f"{what}, ours: " + " | ".join(bench_vs_trl.span_means(rows, field, spans)))
     if trl:
         p = race_stats.rank_test([t / 100 for t in trl], [a / 100 for a in finals])
         print(f"TRL's finals {' / '.join(f'{t:.1f}%' for t in trl)} (median "

@@ -89,8 +89,8 @@ def test_bench_pools_runs_and_tests_modes_against_sampler():
     failed = dict(runs[0], seed=9, rc=1, steps=0, reward_last_third=float("nan"))
     text = bench.table(runs + [failed], "toy")  # a run without its outcome is left out
     rows = [line for line in text.splitlines() if line.startswith(("| bfloat16 | 2 |", "| 2 |"))]
-    assert rows[0].startswith("| bfloat16 | 2 | `sampler` | 0,1,2 | 0.200 (0.100..0.300) "
-                              "| 0 / 1 | 6 / 6 |")  # 3 runs of 2 steps at each k
+    assert rows[0].startswith("| bfloat16 | 2 | `sampler` | 0,1,2 | 0.200 (0.100..0.300) | 1 "
+                              "| 0 / 1 | 6 / 6 |")  # 3 runs of 2 steps at each k, 1 s each
     assert rows[1].startswith("| bfloat16 | 2 | `token_truncate` | 0,1,2 | 0.700 (0.600..0.800) |")
     assert rows[2] == ("| 2 | bfloat16 `token_truncate` | bfloat16 `sampler` | 0.700 vs 0.200 "
                        "| 0.10 | 3 / 0 | 0.250 |")
@@ -104,6 +104,9 @@ def test_bench_settings_and_table_only(tmp_path):
         ("bfloat16", 0, "sampler"), ("bfloat16", 0, "sequence_mask"),
         ("bfloat16", 2, "sampler"), ("bfloat16", 2, "sequence_mask"),
         ("float32", 0, "sampler"), ("float32", 2, "sampler")]
+    # jobs.sh --local's own replica (float32) under every mode: no reference rows to add
+    assert bench.settings([2], ["sampler", "token_truncate"], False, "float32") == [
+        ("float32", 2, "sampler"), ("float32", 2, "token_truncate")]
     with open(tmp_path / "runs.jsonl", "w") as f:
         for s, acc in enumerate([0.5, 0.6]):  # seed 1's jobs.sh failed after its summary
             f.write(json.dumps(dict(record("sampler", s, 0.0), accuracy=acc, rc=127 * s)) + "\n")
