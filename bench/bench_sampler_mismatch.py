@@ -35,6 +35,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -157,6 +158,15 @@ def run_one(a, setting, seed, env_extra):
             "mismatch": {str(k): v for k, v in mismatch_by_staleness(metrics).items()}}
 
 
+def train_seconds(record):
+    """The run's training wall time (its summary.md, jobs.sh --local's), or None (toy task)."""
+    try:
+        with open(os.path.join(ROOT, "runs", record["name"], "summary.md")) as f:
+            return float(re.search(r"training wall time\s*\|\s*([\d.]+) s", f.read()).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
 def outcome(record, task):
     """What a run is judged by: the final accuracy, or on the toy task the late reward."""
     return record["reward_last_third"] if task == "toy" else record["accuracy"]
@@ -208,6 +218,12 @@ def mismatch_cells(by_k):
         lambda a: f"{a['dlogp_max']:.2g}", w, lambda a: f"{a['outside_frac']:.3f}")]
 
 
+def train_cell(runs):
+    """A setting's training seconds: the median (min..max) over its runs, or "-"."""
+    xs = [x for x in map(train_seconds, runs) if x is not None]
+    return f"{statistics.median(xs):.0f} ({min(xs):.0f}..{max(xs):.0f})" if xs else "-"
+
+
 def table(records, task):
     """The Markdown tables: one row per setting (the runs that finished); then each learner mode
     against `sampler`, and the bf16 replica against the fp32 one, at the same staleness."""
@@ -216,16 +232,16 @@ def table(records, task):
         if finished(r, task):
             groups.setdefault((r["dtype"], r["staleness"], r["mode"]), []).append(r)
     what = "mean reward, last third of steps" if task == "toy" else "final greedy accuracy"
-    lines = [f"| replica | max staleness | loss | seeds | {what}: median (min..max) | run s | "
-             "k | steps | `sampling_logp_difference` mean | max | weights `w` | `outside_frac` |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| replica | max staleness | loss | seeds | {what}: median (min..max) | run s "
+             "| training s | k | steps | `sampling_logp_difference` mean | max | weights `w` | `outside_frac` |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = lambda g: (g[0][1], g[0][0] == "float32", list(MODES).index(g[0][2]))  # noqa: E731
     for (dtype, staleness, mode), rs in sorted(groups.items(), key=order):
         xs = [outcome(r, task) for r in rs]
         seeds = ",".join(str(r["seed"]) for r in rs)
         lines.append(f"| {dtype} | {staleness} | `{mode}` | {seeds} | {statistics.median(xs):.3f} "
                      f"({min(xs):.3f}..{max(xs):.3f}) | "
-                     f"{statistics.median(r['wall_s'] for r in rs):.0f} | "
+                     f"{statistics.median(r['wall_s'] for r in rs):.0f} | {train_cell(rs)} | "
                      + " | ".join(mismatch_cells(pooled([r["mismatch"] for r in rs]))) + " |")
     lines += ["", f"Against a baseline at the same staleness ({what}): each learner mode against"
               " `sampler`, the bf16 replica against the fp32 one; the runs' rank-sum test"

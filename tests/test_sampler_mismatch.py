@@ -90,7 +90,7 @@ def test_bench_pools_runs_and_tests_modes_against_sampler():
     text = bench.table(runs + [failed], "toy")  # a run without its outcome is left out
     rows = [line for line in text.splitlines() if line.startswith(("| bfloat16 | 2 |", "| 2 |"))]
     assert rows[0].startswith("| bfloat16 | 2 | `sampler` | 0,1,2 | 0.200 (0.100..0.300) | 1 "
-                              "| 0 / 1 | 6 / 6 |")  # 3 runs of 2 steps at each k, 1 s each
+                              "| - | 0 / 1 | 6 / 6 |")  # 3 runs of 2 steps at each k, 1 s each
     assert rows[1].startswith("| bfloat16 | 2 | `token_truncate` | 0,1,2 | 0.700 (0.600..0.800) |")
     assert rows[2] == ("| 2 | bfloat16 `token_truncate` | bfloat16 `sampler` | 0.700 vs 0.200 "
                        "| 0.10 | 3 / 0 | 0.250 |")
