@@ -71,6 +71,12 @@ case $TRAINER_GPUS in ''|0*|*[!0-9]*)
   die "TRAINER_GPUS='$TRAINER_GPUS': the trainer's processes (torchrun ranks)," \
       "a whole number >= 1" ;;
 esac
+: "${TRAINER_FSDP:=0}"   # 1: the trainer's ranks shard the model (FSDP2: trainer.py --fsdp)
+case $TRAINER_FSDP:$TRAINER_GPUS in
+  0:*|1:[2-9]*|1:1[0-9]*) ;;
+  1:*) die "TRAINER_FSDP=1 shards the model over the trainer's ranks: TRAINER_GPUS >= 2" ;;
+  *) die "TRAINER_FSDP='$TRAINER_FSDP': 0 or 1" ;;
+esac
 : "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
@@ -115,6 +121,7 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
   add_words "$TRAINER_ARGS"
   # TRAINER_GPUS > 1: torchrun starts that many ranks on this machine (data parallel, one GPU
   # each; on CPUs, processes): rank 0 is the trainer the proxy sees (docs/hf-jobs.md)
+  if [ "$TRAINER_FSDP" = 1 ]; then ARGS+=(--fsdp); fi   # each rank holds 1/N of the model
   if [ "$TRAINER_GPUS" -gt 1 ]; then
     ARGS=(-m torch.distributed.run --standalone --nproc-per-node "$TRAINER_GPUS" "${ARGS[@]}")
   fi

@@ -4,6 +4,7 @@
         --proxy https://JOB--8000.hf.jobs
     torchrun --standalone --nproc-per-node 2 trainer.py ...  # the same flags on 2 GPUs: data
     # parallel, the update of one process; rank 0 alone talks to the proxy and the bucket
+    torchrun --standalone --nproc-per-node 2 trainer.py --fsdp ...  # FSDP2: the model sharded
 
 The whole system on one CPU machine with the tiny test model (what tests/test_trainer.py runs;
 the toy reward goes from ~0.05 to ~0.9 in these 24 steps, ~20 s). The run's settings are given
@@ -82,8 +83,8 @@ from support.group_checks import Waiting, keep_usable  # what a hostile replica 
 from support.proxy_client import ProxyClient, ProxyError
 from support.reward_check import TaskRewards  # a group's rewards, recomputed from its task
 from support.shared_prompt import by_group, make_microbatches, plain_logprobs_fast
-from support.step_record import StepStats, log_step, name_absurd  # metrics, the log line
-from support.trainer_state import TrainerError, lora_parameters, start_run, write_state
+from support.step_record import StepStats, record_step  # metrics, the log line
+from support.trainer_state import TrainerError, lora_parameters, saves_state, start_run, write_state
 
 
 # ---- ALGO, README's steps 5-9: 5. take a batch  6. advantages  7. log-probs  8. loss  9. publish
@@ -121,10 +122,11 @@ def flatten_groups(groups, max_completion_length):
             for k, g in enumerate(groups) for c in g["completions"]]
 
 
-# ---- ALGO, 6. advantages: grpo_loss.group_advantages (called in train)
+# ---- ALGO, 6. advantages: grpo_loss.group_advantages (called in grpo_update)
 # ---- ALGO, 7. log-probs of the completions under the current policy. plain_logprobs is the
 # definition; the step runs plain_logprobs_fast (support/shared_prompt.py), the same values and
-# gradients with each group's prompt forwarded once (tests/test_shared_prompt.py checks them equal)
+# gradients with each group's prompt forwarded once (test_shared_prompt.py), or with --fsdp
+# plain_logprobs itself (fully_shard's backward fails on the fast one: support/fsdp.py)
 
 def plain_logprobs(model, seqs, idx, temperature=1.0):
     """Log-probs (n, C) of the completion tokens of rows idx: each row [pad.. prompt | completion
@@ -183,21 +185,25 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
     total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
     record = StepStats(seqs, version, beta, epsilon, epsilon_high)
+
+    def logprobs(idx):  # (n, C) = plain_logprobs; under --fsdp that very forward (see 7. above)
+        return (plain_logprobs(model, seqs, idx, temperature) if ranks.fsdp else
+                plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature))
     for idx in ranks.my_share(microbatches):  # all of them in one process
         idx = [i for i in idx if i not in masked]  # no loss; grpo, dr_grpo still count them
         mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: all its rows
         if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
             idx = [i for g in by_group(seqs, idx) if bool((advantages[g] != 0).any())
                    for i in g]
-        if not idx:
+        if not idx:  # --fsdp: a forward and backward of weight 0, as many as the other ranks'
+            ranks.idle(model, lambda: logprobs([0]), beta)
             continue
         sampled, mask = completion_tensors(seqs, idx, device)  # (n, C) the sampler's, (n, C)
-        # = plain_logprobs(model, seqs, idx, temperature), faster
-        logps = plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature)
+        logps = logprobs(idx)  # = plain_logprobs(model, seqs, idx, temperature)
         ref = None
         if beta > 0:
             with torch.no_grad(), model.disable_adapter():  # (n, C) the base model's
-                ref = plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature)
+                ref = logprobs(idx)
         # the sampler's log-probs: the old policy, or a weight on the loss (--old-logprobs
         # learner: old = logps.detach(), the learner's at this step's weights, no 2nd forward)
         adv = advantages[idx].to(device)  # (n,)
@@ -205,11 +211,10 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
         # the loss of this micro-batch, normalised as loss_type says (dapo: by the whole step's
         # tokens, bnpo: by this micro-batch's); weights: old_logprobs and the two weights
         loss, stats = grpo_loss.policy_loss(
-            logps, advantages=adv, mask=mask, epsilon=epsilon,
-            epsilon_high=epsilon_high, loss_type=loss_type,
-            max_completion_length=max_completion_length, ref_logprobs=ref, beta=beta,
-            num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type), delta=delta,
-            use_bias_correction_kl=use_bias_correction_kl, **weights)
+            logps, advantages=adv, mask=mask, epsilon=epsilon, epsilon_high=epsilon_high,
+            loss_type=loss_type, max_completion_length=max_completion_length, ref_logprobs=ref,
+            beta=beta, num_tokens={"dapo": total_tokens, "bnpo": mb_tokens}.get(loss_type),
+            delta=delta, use_bias_correction_kl=use_bias_correction_kl, **weights)
         weight = grpo_loss.microbatch_weight(loss_type, mask, len(seqs), len(microbatches))
         (loss * weight).backward()
         record.add(idx, mask, loss.item() * weight, stats,  # the step's statistics, per row:
@@ -225,27 +230,29 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
 # ---- ALGO, 9. publish: the adapter to the bucket (and the resume state), then the proxy
 
 def publish(model, bucket, version, keep, base_model, step, state=None, optimizer=None, key=None,
-            adapter_key=None, saved_step=None):
+            adapter_key=None, saved_step=None, full=None):
     """Publish the adapter as `version` (sync.publish_adapter: its files, its manifest, then
     LATEST); with `state`, also save the resume state (weights, optimizer, RNGs), tagged with an
     HMAC under `key` (env TRAINER_STATE_KEY) when there is one. The manifest is tagged for the
     replicas under adapter_key (env ADAPTER_KEY) and as the trainer's own under key, with
-    saved_step: the step of the newest resume state saved before it."""
+    saved_step: the step of the newest resume state saved before it. full: (LoRA, AdamW state)
+    from Ranks.full_state (--fsdp: gathered from the shards); None: the model's, optimizer's."""
+    lora, adamw = full or (None, optimizer.state_dict() if optimizer else None)
     with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)  # the PEFT folder: adapter_config.json, adapter_model.safetensors
+        model.save_pretrained(d, state_dict=lora)  # the PEFT folder (lora None: the model's)
         sync.publish_adapter(bucket, d, version, keep=keep, key=adapter_key, trainer_key=key,
                              base_model=base_model, step=step, state_step=saved_step)
         if state is not None:
-            write_state(d, state, optimizer, key)
+            write_state(d, state, adamw, key)
             save_trainer_state(bucket, d)
 
 
 # ---- ALGO: the loop. grpo_update: steps 6-8 (under torchrun, every rank's); train(): the rest
 
 def grpo_update(model, optimizer, groups, args, step, version, ranks=ONE_PROCESS):
-    """README's steps 6-8 on this step's groups: advantages, log-probs, loss, AdamW (skipped if
-    not finite). Returns (seqs, micro-batches, stats, gradient norm, finite)."""
-    seqs = flatten_groups(groups, args.max_completion_length)
+    """README's steps 6-8 on rank 0's groups (the others pass None): advantages, log-probs,
+    loss, AdamW (skipped if not finite). Returns (seqs, micro-batches, stats, grad norm, finite)."""
+    seqs = flatten_groups(ranks.same_groups(groups), args.max_completion_length)
     # whole groups, at most --micro-batch-tokens per forward/backward (one or more per rank)
     mbs = make_microbatches(seqs, args.micro_batch_tokens, at_least=ranks.world)
     # 6. advantages: each reward against its group's mean (and std: --scale-rewards)
@@ -279,16 +286,14 @@ def train(args, ranks=ONE_PROCESS):
     if ranks.rank > 0:  # torchrun: the other ranks never talk to the proxy or the bucket
         return follow_rank_zero(args, ranks, grpo_update)
     bucket = open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
-    client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN
-    # a wrong URL or token ends here
+    client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN; a wrong URL or token ends below
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
     vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})  # the run's settings: the proxy's
     # the model with a fresh LoRA, or as the resume state in the bucket left it; its versions
     # follow its own (with TRAINER_STATE_KEY, a LATEST it did not write is passed over)
-    run = start_run(args, bucket, contract)
-    model, optimizer, step, version = run.model, run.optimizer, run.step, run.version
-    groups_consumed = run.groups_consumed
-    ranks.start_alike(args, model, optimizer, step, version)  # torchrun: every rank starts here
+    run = ranks.start_alike(args, start_run(args, bucket, contract))  # torchrun: every rank
+    model, optimizer, step, version = run.model, run.optimizer, run.step, run.version  # --fsdp:
+    groups_consumed = run.groups_consumed  # each rank holds a shard of the model and AdamW
     if args.gradient_checkpointing:  # each layer's activations recomputed in the backward pass
         checkpoint_layers(model)
     keep = args.max_staleness + 2  # versions kept in the bucket: any a replica may still use
@@ -301,7 +306,7 @@ def train(args, ranks=ONE_PROCESS):
         state = {"step": step, "version": version, "published_step": step,
                  "groups_consumed": groups_consumed, "args": vars(args)} if save else None
         publish(model, bucket, version, keep, args.model, step, state, optimizer, run.key,
-                run.adapter_key, run.saved_step)
+                run.adapter_key, run.saved_step, ranks.full_state(model, optimizer, save))
         run.saved_step = step if save else run.saved_step  # what the next manifests record
         # The handshake: after the files, so a replica told of v by /quota finds it in the bucket
         # (proxy.RolloutBuffer.set_version; the replica's side is rollout.Replica.step).
@@ -324,18 +329,14 @@ def train(args, ranks=ONE_PROCESS):
         groups_consumed += len(groups)
         t1 = time.time()
         # 6.-8. advantages, log-probs and loss, one AdamW step (torchrun: on every rank)
-        seqs, mbs, stats, grad_norm, finite = grpo_update(
-            model, optimizer, ranks.same_groups(groups), args, step, version, ranks)
-        # a group whose ratio no honest sampler gives: named (inert under delta, departure 8)
-        name_absurd(step, groups, absurd := stats.pop("absurd_ratio"), args.delta)
+        update = grpo_update(model, optimizer, groups, args, step, version, ranks)
         step += 1
-        # the step's record: metrics/ in the bucket, --report-to, one line on stdout
-        log_step(run, args, groups, seqs, stats, step=step, version=version, grad_norm=grad_norm,
-                 finite=finite, dropped=dropped, absurd=absurd, micro_batches=len(mbs),
-                 times=(t0, t1, time.time()), reward_check_s=task_rewards.lap())
+        # the step's record: absurd ratios named (departure 8), metrics/, --report-to, stdout
+        record_step(run, args, groups, update, step=step, version=version, dropped=dropped,
+                    times=(t0, t1, time.time()), reward_check_s=task_rewards.lap())
         # 9. publish: one version per optimizer step (and the resume state every --save-every)
         version += 1
-        publish_and_save(version, save=step % args.save_every == 0 or step == args.max_steps)
+        publish_and_save(version, save=saves_state(step, args))
     client.done()  # replicas learn it from /quota and exit; the proxy exits after them
     if run.reporter:
         run.reporter.finish()
@@ -346,10 +347,9 @@ def train(args, ranks=ONE_PROCESS):
 
 def main(argv=None):
     args = trainer_args(argv, description=__doc__.split("\n")[0])
-    # each log line reaches a piped log (or a watcher) at once
-    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # each log line reaches a piped log at once
     try:  # torchrun: this rank of N (support/data_parallel.py); else one process, no group
-        ranks = join_ranks(args.wait_timeout, args.bucket_retry)
+        ranks = join_ranks(args.wait_timeout, args.bucket_retry, args.fsdp)
         train(args, ranks)
         ranks.leave()
     except (ProxyError, BucketError, TrainerError) as e:

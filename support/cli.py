@@ -86,6 +86,9 @@ def trainer_args(argv=None, description=None):
     a("--gradient-checkpointing", action="store_true",
       help="recompute each layer's activations in the backward pass instead of keeping them "
            "(TRL's name): less memory per micro-batch, ~1/3 more compute (docs/gpu-round.md)")
+    a("--fsdp", action="store_true",
+      help="under torchrun: FSDP2 (fully_shard per decoder layer + root), each rank holds 1/N of "
+           "the model, for one that does not fit one GPU; the plain forward (docs/hf-jobs.md)")
     a("--save-every", type=int, default=10, help="save resume state every this many steps")
     a("--seed", type=int, default=0, help="seed for the LoRA init and torch's/python's RNGs")
     a("--lora-r", type=int, default=16, help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")

@@ -3,6 +3,7 @@ within the job; the proxy and the replicas still see one trainer). Not needed to
 step: with one process (a plain `python trainer.py`) every call here returns at once.
 
     torchrun --standalone --nproc-per-node 2 trainer.py --model ... --bucket ... --proxy ...
+    torchrun --standalone --nproc-per-node 2 trainer.py --fsdp ...  # FSDP2: support/fsdp.py
 
 Rank 0 is the trainer of one process: it alone talks to the proxy and writes the bucket. Ranks
 1..N-1 build the same model and follow it (follow_rank_zero). What each call guarantees:
@@ -10,17 +11,24 @@ Rank 0 is the trainer of one process: it alone talks to the proxy and writes the
     join_ranks             this process's rank in its torchrun job (gloo on CPUs, nccl on GPUs,
                            device cuda:LOCAL_RANK); without torchrun ONE_PROCESS, no process group
     Ranks.start_alike      every rank starts from rank 0's settings (the proxy's contract
-                           included), LoRA weights, AdamW state, step and version
+                           included), LoRA weights, AdamW state, step and version (--fsdp: each
+                           rank its shard of them)
     Ranks.same_groups      every rank holds rank 0's groups of the step
     Ranks.my_share         this rank's micro-batches: rank, rank + N, ... of the step's list
+                           (--fsdp: as many on every rank, [] where it has fewer)
+    Ranks.idle             --fsdp: a rank with no micro-batch to forward runs one of weight 0
     Ranks.sum_gradients    every rank holds the whole step's LoRA gradient, the sum of the shares
+                           (--fsdp: its shard of it, summed by FSDP2's reduce-scatter)
     Ranks.whole_step       every rank holds the whole step's statistics (StepStats merged)
+    Ranks.full_state       rank 0 holds the full LoRA and AdamW state, to publish and save
+                           (--fsdp: gathered from every rank's shard)
     follow_rank_zero       ranks > 0: the model, then every step rank 0 takes, on its groups
 
 The loss's normalisers are the whole step's on every rank (trainer.compute_loss_and_backward
 counts the tokens, rows and micro-batches of the whole step, not of its share), so the summed
 gradient is the one-process gradient, every rank's AdamW step the same, and the resume state
-rank 0 saves (the full LoRA + AdamW) fits any N (tests/test_data_parallel.py).
+rank 0 saves (the full LoRA + AdamW) fits any N, with or without --fsdp
+(tests/test_data_parallel.py).
 A rank that dies: torchrun's agent ends the others and exits non-zero naming it; a collective
 that fails, or waits longer than the process group's timeout, is a TrainerError naming the rank.
 
@@ -29,12 +37,15 @@ This module imports no role file.
 
 import datetime
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from support.devices import checkpoint_layers
-from support.trainer_state import TrainerError, build_model, lora_parameters, make_optimizer
+from support.fsdp import gather_full_state, idle_pass, load_full_state, shard_model
+from support.trainer_state import (TrainerError, build_model, lora_parameters, make_optimizer,
+                                   saves_state)
 
 # The longest a rank waits in a collective beyond --wait-timeout and --bucket-retry: what rank 0
 # may spend between two collectives on top of them (the model's load, a publish, a step's compute)
@@ -43,26 +54,45 @@ NEVER_S = 30 * 86400  # --wait-timeout 0 (never give up): a month
 
 
 class Ranks:
-    """Rank `rank` of `world` processes; world == 1: every method returns at once."""
+    """Rank `rank` of `world` processes; world == 1: every method returns at once. fsdp: the
+    model, LoRA and AdamW sharded over the ranks (FSDP2, support/fsdp.py)."""
 
-    def __init__(self, rank=0, world=1):
-        self.rank, self.world = rank, world
+    def __init__(self, rank=0, world=1, fsdp=False):
+        self.rank, self.world, self.fsdp = rank, world, fsdp
 
-    def start_alike(self, args, model, optimizer, step=0, version=0):
+    def start_alike(self, args, run):
         """Every rank starts where rank 0 does: its args (updated from the proxy's contract), LoRA
-        weights, AdamW state, step and version. Returns (step, version)."""
+        weights, AdamW state, step, version and must_publish (run's: a namespace with those and
+        model, optimizer; rank 0's from trainer_state.start_run). --fsdp: the model is sharded
+        here and run.optimizer becomes an AdamW of the shards."""
         if self.world == 1:
-            return step, version
-        start = [{"args": vars(args), "step": step, "version": version,  # AdamW's, on the CPU:
-                  "optimizer": on_cpu(optimizer.state_dict())} if self.rank == 0 else None]
+            return run
+        adamw = on_cpu(run.optimizer.state_dict()) if self.rank == 0 else None
+        start = [{"args": vars(args), "step": run.step, "version": run.version,
+                  "must_publish": run.must_publish,  # AdamW's state, on the CPU; --fsdp:
+                  "optimizer": bool(adamw["state"]) if self.fsdp else adamw}  # whether any
+                 if self.rank == 0 else None]
         with self.collective("the start"):  # load_state_dict puts it on the parameters' device
             dist.broadcast_object_list(start, src=0)
-            for p in lora_parameters(model):
-                dist.broadcast(p.detach(), src=0)
+            if not self.fsdp:
+                for p in lora_parameters(run.model):
+                    dist.broadcast(p.detach(), src=0)
         if self.rank > 0:
             vars(args).update(start[0]["args"])
-            optimizer.load_state_dict(start[0]["optimizer"])
-        return start[0]["step"], start[0]["version"]
+            run.step, run.version = start[0]["step"], start[0]["version"]
+            run.must_publish = start[0]["must_publish"]
+        if not self.fsdp:
+            if self.rank > 0:
+                run.optimizer.load_state_dict(start[0]["optimizer"])
+            return run
+        # --fsdp: rank 0's full LoRA and AdamW state, into every rank's shard of them
+        lora = {n: p.detach() for n, p in run.model.named_parameters() if p.requires_grad}
+        shard_model(run.model)
+        run.optimizer = make_optimizer(lora_parameters(run.model), args)  # of the shards
+        with self.collective("the start (FSDP2)"):
+            load_full_state(run.model, run.optimizer, lora if self.rank == 0 else {}, adamw,
+                            resumed=start[0]["optimizer"])
+        return run
 
     def same_groups(self, groups):
         """Rank 0's groups (its argument; other ranks pass None), on every rank."""
@@ -74,14 +104,26 @@ class Ranks:
         return box[0]
 
     def my_share(self, microbatches):
-        """This rank's micro-batches of the whole step's list: rank, rank + N, ..."""
-        return microbatches[self.rank::self.world]
+        """This rank's micro-batches of the whole step's list: rank, rank + N, ... --fsdp: as
+        many on every rank, [] for the ones it lacks (each forward is a collective: idle)."""
+        mine = microbatches[self.rank::self.world]
+        if self.fsdp:  # as many as rank 0's, the most
+            mine += [[]] * (len(microbatches[0::self.world]) - len(mine))
+        return mine
+
+    def idle(self, model, forward, beta):
+        """--fsdp: this rank has nothing to forward (its share, or every group of its
+        micro-batch flat): one forward and backward of weight 0 (fsdp.idle_pass), forward() a
+        stand-in's log-probs, so that every rank runs FSDP2's collectives as often."""
+        if self.fsdp:
+            idle_pass(model, forward, beta)
 
     def sum_gradients(self, model):
         """Every rank's .grad of the LoRA parameters becomes the sum over the ranks (one
         all_reduce). A parameter without a gradient on a rank counts as zeros; when no rank has
-        one (nothing forwarded anywhere) they stay None, as in one process."""
-        if self.world == 1:
+        one (nothing forwarded anywhere) they stay None, as in one process. --fsdp: FSDP2's
+        reduce-scatter in each backward already summed them into this rank's shard."""
+        if self.world == 1 or self.fsdp:
             return
         params = lora_parameters(model)
         had = any(p.grad is not None for p in params)
@@ -107,6 +149,15 @@ class Ranks:
             dist.all_gather_object(shares, record.share())
         record.merge(shares)
         return record
+
+    def full_state(self, model, optimizer, adamw=True):
+        """(LoRA, AdamW state) for rank 0 to publish and, with adamw (a save), to save: None (the
+        model holds it) and optimizer.state_dict() (or None); --fsdp: both gathered from every
+        rank's shard (every rank calls it: rank 0's publish, follow_rank_zero)."""
+        if not self.fsdp:
+            return None, optimizer.state_dict() if adamw else None
+        with self.collective("the gather of the LoRA (FSDP2)"):
+            return gather_full_state(model, optimizer if adamw else None)
 
     def collective(self, what):
         return Collective(self, what)
@@ -138,11 +189,16 @@ class Collective:
 ONE_PROCESS = Ranks(0, 1)
 
 
-def join_ranks(wait_timeout, bucket_retry):
+def join_ranks(wait_timeout, bucket_retry, fsdp=False):
     """This process's Ranks: from torchrun's RANK, WORLD_SIZE, LOCAL_RANK (gloo on CPUs, nccl on
     GPUs, each rank on cuda:LOCAL_RANK), or ONE_PROCESS without them. A collective waits at most
-    wait_timeout (0: NEVER_S) + bucket_retry + MARGIN_S seconds, then raises."""
+    wait_timeout (0: NEVER_S) + bucket_retry + MARGIN_S seconds, then raises. fsdp (--fsdp): the
+    ranks shard the model (FSDP2); with one process, a TrainerError."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and fsdp:
+        raise TrainerError("--fsdp shards the model over torchrun's ranks, and this is one "
+                           "process: start it with torchrun --nproc-per-node N (jobs.sh: "
+                           "TRAINER_GPUS=N, N >= 2), or drop --fsdp")
     if world == 1:
         return ONE_PROCESS
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -154,22 +210,29 @@ def join_ranks(wait_timeout, bucket_retry):
         torch.cuda.set_device(local)  # build_model's "cuda" is this rank's card
     timeout = datetime.timedelta(seconds=(wait_timeout or NEVER_S) + bucket_retry + MARGIN_S)
     dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)
-    return Ranks(dist.get_rank(), dist.get_world_size())
+    return Ranks(dist.get_rank(), dist.get_world_size(), fsdp)
 
 
 def follow_rank_zero(args, ranks, update):
     """Ranks > 0: no proxy, no bucket. The model and AdamW as rank 0 builds them (start_run),
     started where rank 0 starts (start_alike), then each of rank 0's steps: update(model,
-    optimizer, groups, args, step, version, ranks), trainer.grpo_update, on its groups."""
-    model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed)
+    optimizer, groups, args, step, version, ranks), trainer.grpo_update, on its groups. --fsdp:
+    also its part in each of rank 0's publishes (full_state), at the same points as rank 0."""
+    model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed,
+                        device="cpu" if args.fsdp else None)
     model.eval()  # no dropout, as rank 0's (start_run)
-    optimizer = make_optimizer(lora_parameters(model), args)
-    step, version = ranks.start_alike(args, model, optimizer)
+    run = ranks.start_alike(args, SimpleNamespace(
+        model=model, optimizer=make_optimizer(lora_parameters(model), args), step=0, version=0,
+        must_publish=False))
+    step, version, optimizer = run.step, run.version, run.optimizer
     if args.gradient_checkpointing:
         checkpoint_layers(model)
+    if run.must_publish:  # rank 0's first publish, with the resume state (trainer.train)
+        ranks.full_state(model, optimizer)
     while step < args.max_steps:
-        update(model, optimizer, ranks.same_groups(None), args, step, version, ranks)
+        update(model, optimizer, None, args, step, version, ranks)  # rank 0's groups
         step, version = step + 1, version + 1
+        ranks.full_state(model, optimizer, saves_state(step, args))
 
 
 def on_cpu(obj):

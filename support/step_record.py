@@ -155,6 +155,18 @@ def name_absurd(step, groups, absurd, delta):
               f"log-probs are not its sampler's; {then}", file=sys.stderr)
 
 
+def record_step(run, args, groups, update, *, step, version, dropped, times, reward_check_s):
+    """The record of step `step` (counted from 1) after trainer.grpo_update, `update` its
+    (seqs, micro-batches, stats, gradient norm, finite): the groups of an absurd ratio named
+    (name_absurd), then metrics/step-S.json, --report-to and the log line (log_step)."""
+    seqs, mbs, stats, grad_norm, finite = update
+    absurd = stats.pop("absurd_ratio")
+    name_absurd(step - 1, groups, absurd, args.delta)
+    log_step(run, args, groups, seqs, stats, step=step, version=version, grad_norm=grad_norm,
+             finite=finite, dropped=dropped, absurd=absurd, micro_batches=len(mbs), times=times,
+             reward_check_s=reward_check_s)
+
+
 def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite, dropped, absurd,
              micro_batches, times, reward_check_s=0.0):
     """The step's record: metrics/step-S.json in the bucket, --report-to, one line on stdout.

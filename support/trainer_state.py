@@ -37,10 +37,12 @@ class TrainerError(Exception):
 
 # ---- the model and its optimizer
 
-def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0):
+def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0,
+                device=None):
     """Base model + fresh LoRA (B = 0, so version 0 is the base policy). The dtype is the card's
     (support/devices.py card_dtype, the replicas' rule too): bf16 on a GPU of compute capability
-    >= 8.0, a TrainerError below it, fp32 on a CPU."""
+    >= 8.0, a TrainerError below it, fp32 on a CPU. device: "cuda" when there is a GPU, else
+    "cpu"; --fsdp: "cpu" (sharding puts each rank's shard on its GPU: support/fsdp.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -50,7 +52,7 @@ def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", 
                           torch.cuda.get_device_name() if gpu else "")
     except ValueError as e:
         raise TrainerError(str(e)) from None
-    dtype, device = getattr(torch, name), "cuda" if gpu else "cpu"
+    dtype, device = getattr(torch, name), device or ("cuda" if gpu else "cpu")
     base = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
     base.config.use_cache = False
     targets = lora_target if lora_target == "all-linear" \
@@ -63,6 +65,12 @@ def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", 
 
 def lora_parameters(model):
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def saves_state(step, args):
+    """Whether the publish after `step` also saves the resume state: every --save-every steps
+    and at the last."""
+    return step % args.save_every == 0 or step == args.max_steps
 
 
 def make_optimizer(params, args):
@@ -114,7 +122,8 @@ def start_run(args, bucket, contract):
                                "(or --report-to none)")
         reporter.init(project="async-grpo-lora", config=vars(args))
     random.seed(args.seed)
-    model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed)
+    model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed,
+                        device="cpu" if args.fsdp else None)  # --fsdp: sharded in start_alike
     model.eval()  # no dropout: the recomputed log-probs must be the policy the sampler ran
     limits = {"num_generations": args.num_generations,
               "reward_range": contract.get("reward_range"),
@@ -154,11 +163,12 @@ def restore_state(model, optimizer, state_dir, state):
         torch.cuda.set_rng_state_all(state["rng_cuda"])
 
 
-def write_state(folder, state, optimizer, key=None):
-    """The resume state into folder (beside the adapter's files): state.pt with the optimizer and
-    the RNGs, and with a key (env TRAINER_STATE_KEY) its HMAC tag."""
+def write_state(folder, state, adamw, key=None):
+    """The resume state into folder (beside the adapter's files): state.pt with AdamW's state
+    (optimizer.state_dict() of one process; --fsdp: gathered, the same format) and the RNGs, and
+    with a key (env TRAINER_STATE_KEY) its HMAC tag."""
     rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    full = dict(state, optimizer=optimizer.state_dict(), rng_python=random.getstate(),
+    full = dict(state, optimizer=adamw, rng_python=random.getstate(),
                 rng_torch=torch.get_rng_state(), rng_cuda=rng_cuda)
     torch.save(full, os.path.join(folder, "state.pt"))
     if key:
