@@ -319,8 +319,8 @@ class Packs:
     for fp32 linear layers on a CPU): a product with a packed weight skips the packing of the
     weight MKL does at every call; the same sgemm, the same tokens (tests/test_engines.py). Made
     for one row count (the decode steps' P*n rows), at the first call with it, kept while calls
-    come with it: a second copy of the base weights in memory. Products with another row count (the prefill)
-    take the weights as they are. Private torch ops, so only where they exist (usable)."""
+    come with it: a second copy of the base weights in memory. Products with another row count
+    (the prefill) take the weights as they are. Private torch ops, so only where they exist (usable)."""
 
     def __init__(self):
         self.rows, self.packed = None, {}

@@ -106,8 +106,8 @@ def plain_logprobs_fast(model, seqs, idx, token_logprobs, temperature=1.0):
 def shared_prompt_logprobs(model, mb, token_logprobs, temperature=1.0):
     """plain_logprobs_fast's forward: (n, C) log-probs of the completion tokens of micro-batch mb,
     in collate's layout (token_logprobs: grpo_loss.token_logprobs): prefix_ids (1, L) the
-    prompts' common prefix, prompt_ids (k, P) the rest of each group's prompt (left-padded), completion_ids (n, C)
-    (right-padded), row_prompt (n,) the prompt row each completion continues.
+    prompts' common prefix, prompt_ids (k, P) the rest of each group's prompt (left-padded),
+    completion_ids (n, C) (right-padded), row_prompt (n,) the prompt row each completion continues.
 
     1. The common prefix of the prompts (one row), its KV cache repeated for the k prompts.
     2. The rests of the k prompts on top of it: their KV cache, and the logits of their last

@@ -32,7 +32,8 @@ def row_columns(offpolicy, mask, epsilon=0.2, epsilon_high=None, off_policy_mask
     CleanRL's k3 estimate of KL(pi_sampler || pi_theta), (r - 1) - log r with r = pi_theta /
     pi_sampler, of "clipped", tokens whose r lies outside [1 - epsilon, 1 + epsilon_high] whatever
     the advantage's sign (CleanRL's clipfrac), and of "logp_diff", |log r| (TRL's
-    sampling_logp_difference; log r held at 20 as grpo_loss.log_ratio holds it); the row's largest "ratio_max" and "logp_diff_max" (0 if empty);
+    sampling_logp_difference; log r held at 20 as grpo_loss.log_ratio holds it); the row's
+    largest "ratio_max" and "logp_diff_max" (0 if empty);
     the weights, per token or per completion (sequence_*) as TRL counts them: "is_count", "is_sum",
     "is_min", "is_max" (inf / 0 with none), "is_outside" (outside [clip_min, clip_max]: masked or
     truncated); "off_policy_masked" (1: off_policy_mask leaves the row out)."""
