@@ -35,6 +35,7 @@ esac
 if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What is A + B?"
   : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=30}"
   : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${LEARNING_RATE:=3e-4}"
+  : "${OLD_LOGPROBS:=sampler}"    # fp32 replica = fp32 trainer: no mismatch to correct
   : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-12}}"   # MAX_NEW_TOKENS: its old name
   : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=0}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
@@ -44,6 +45,7 @@ if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What i
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
   : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
   : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${LEARNING_RATE:=5e-5}"
+  : "${OLD_LOGPROBS:=learner}"    # vLLM's bf16 sampler != the trainer: TRL's correction
   : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-256}}"  # MAX_NEW_TOKENS: its old name
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
@@ -83,6 +85,7 @@ esac
 : "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
 : "${LR_SCHEDULER_TYPE:=linear}"    # linear (decays to 0 at STEPS, TRL's default) | constant
 : "${LORA_R:=16}" "${LORA_ALPHA:=32}" "${LOSS_TYPE:=dapo}" "${BETA:=0.0}" "${SEED:=0}"
+: "${VLLM_IMPORTANCE_SAMPLING_MODE:=token_truncate}"  # with OLD_LOGPROBS=learner (TRL's name)
 : "${ENGINE:=auto}"                 # auto | vllm | hf
 : "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
 : "${ROLLOUT_ARGS:=}"               # extra rollout.py flags, e.g. "--gpu-memory-utilization 0.3"
@@ -116,6 +119,8 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
         --learning-rate "$LEARNING_RATE" --lr-scheduler-type "$LR_SCHEDULER_TYPE"
         --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
         --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED"
+        --old-logprobs "$OLD_LOGPROBS"   # docs/sampler-mismatch.md: which, and why
+        --vllm-importance-sampling-mode "$VLLM_IMPORTANCE_SAMPLING_MODE"
         --task "$TASK")   # the trainer re-scores each group from its task item (arith, gsm8k, math)
   if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
   add_words "$TRAINER_ARGS"

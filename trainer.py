@@ -33,9 +33,9 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    so the ratio also absorbs staleness and the engines' numerical mismatch. --old-logprobs
    learner is TRL's GRPOTrainer with vLLM: the ratio against this forward's log-probs, detached
    (no second forward), the loss weighted by exp(logp_old - logp_sampler) as
-   --vllm-importance-sampling-* say (grpo_loss.py's departure 2). Either way each step records
-   the sampler/learner gap by staleness (sampling/*). A step whose loss or gradient is not
-   finite is skipped (the same weights are published again).
+   --vllm-importance-sampling-* say (grpo_loss.py's departure 2; jobs.sh's choice on GPUs).
+   Each step records the sampler/learner gap by staleness (sampling/*). A step whose loss or
+   gradient is not finite is skipped (the same weights are published again).
 2. Groups may be up to max_staleness versions old (the proxy drops older ones); one version is
    one optimizer step (after a resume the numbers jump past any version the bucket has seen).
 3. One optimizer step per batch (TRL's num_iterations = 1, mu = 1 in the paper).

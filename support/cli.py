@@ -52,7 +52,7 @@ def trainer_args(argv=None, description=None):
     # where the sampler's log-probs enter the loss (grpo_loss.sampler_correction; TRL's names)
     a("--old-logprobs", default="sampler", choices=["sampler", "learner"],
       help="the ratio's old policy. sampler: the replica's log-probs, no weight (TRL's "
-           "AsyncGRPOTrainer; the default until a multi-seed comparison decides). learner: the "
+           "AsyncGRPOTrainer; jobs.sh --local's). learner (jobs.sh's on GPUs): the "
            "trainer's own at this step (no extra forward), the loss weighted as below (TRL's "
            "GRPOTrainer with vLLM)")
     a("--vllm-importance-sampling-correction", action=argparse.BooleanOptionalAction,
