@@ -126,9 +126,9 @@ def hf_run_name():
         os.remove(last)
 
 
-@pytest.fixture(scope="module")
-def lora_model(tiny_model):
-    """trainer_state.build_model on the tiny model with a random (nonzero) LoRA B, so every LoRA weight has a gradient."""
+def make_lora_model(tiny_model):
+    """trainer_state.build_model on the tiny model with a random (nonzero) LoRA B, so every LoRA
+    weight has a gradient: the same weights at every call."""
     import torch
 
     from support import trainer_state
@@ -139,6 +139,11 @@ def lora_model(tiny_model):
         if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
             torch.nn.init.normal_(p, std=0.05)
     return model
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model):
+    return make_lora_model(tiny_model)
 
 
 def processes_mentioning(*texts):

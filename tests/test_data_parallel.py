@@ -48,15 +48,11 @@ def worker(tiny_model, out, mode):
     as one process from the same weights; rank 0 saves both."""
     import trainer
     from support import cli, data_parallel, fsdp, trainer_state
+    from conftest import make_lora_model
     from test_trainer import fake_groups
 
     def lora_model():  # the same weights on every rank, and in every call
-        model = trainer_state.build_model(tiny_model, lora_r=8, lora_alpha=16, seed=0)
-        torch.manual_seed(1)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # B = 0 at init would leave lora_A without gradient
-                torch.nn.init.normal_(p, std=0.05)
-        return model
+        return make_lora_model(tiny_model)
 
     def full(t):  # a tensor, or a DTensor (--fsdp: this rank's shard) gathered whole
         return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
