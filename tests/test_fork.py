@@ -14,6 +14,7 @@
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_fork.py
 """
 
+import itertools
 import json
 import os
 import re
@@ -165,8 +166,11 @@ def jobs_sh_defaults():
 
 
 def test_the_readme_variables_are_jobs_sh_defaults():
+    lines = readme_section("Running")
+    head = next(i for i, line in enumerate(lines) if line.startswith("| variable |"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[head:])
     rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in readme_section("Running") if line.startswith("| `")]
+            for line in table if line.startswith("| `")]
     assert len(rows) >= 10, "README's table of the variables you are most likely to change"
     defaults, checked = jobs_sh_defaults(), 0
     for names, local, hf, _ in rows:
