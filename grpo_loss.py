@@ -27,7 +27,7 @@ from TRL:
    loss, exp(logp_old - logp_sampler) per token or per sequence, truncated or masked (TRL's
    vllm_importance_sampling_*), and in DeepSeek-V3.2's off-policy mask. A group k versions old
    is weighted against the sampler that made it: staleness and numerics together. jobs.sh runs
-   "learner" + token_truncate on GPUs, "sampler" locally (docs/sampler-mismatch.md: why).
+   "learner" + sequence_mask on GPUs, "sampler" locally (docs/sampler-mismatch.md: why).
 3. Token-level normalisation by default (`loss_type="dapo"`: sum over all completion tokens of
    the optimizer batch / their count, DAPO arXiv 2503.14476 sec. 3.3). The paper averages over each
    sequence's tokens first (`"grpo"` here), which weights a token of a short answer more than a

@@ -85,7 +85,7 @@ esac
 : "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
 : "${LR_SCHEDULER_TYPE:=linear}"    # linear (decays to 0 at STEPS, TRL's default) | constant
 : "${LORA_R:=16}" "${LORA_ALPHA:=32}" "${LOSS_TYPE:=dapo}" "${BETA:=0.0}" "${SEED:=0}"
-: "${VLLM_IMPORTANCE_SAMPLING_MODE:=token_truncate}"  # with OLD_LOGPROBS=learner (TRL's name)
+: "${VLLM_IMPORTANCE_SAMPLING_MODE:=sequence_mask}"  # with OLD_LOGPROBS=learner (TRL's default)
 : "${ENGINE:=auto}"                 # auto | vllm | hf
 : "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
 : "${ROLLOUT_ARGS:=}"               # extra rollout.py flags, e.g. "--gpu-memory-utilization 0.3"
