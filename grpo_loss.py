@@ -270,8 +270,8 @@ def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
 
 
-# ---- OPTIONS, off by default (sampler_correction calls them): TRL's vLLM importance-sampling
-# correction (--old-logprobs learner) and DeepSeek-V3.2's off-policy mask
+# ---- OPTIONS (sampler_correction calls them): TRL's vLLM importance-sampling correction
+# (--old-logprobs learner: jobs.sh's on GPUs, off locally) and DeepSeek-V3.2's off-policy mask
 
 def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask",
                               clip_max=3.0, clip_min=None):
