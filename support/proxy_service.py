@@ -252,6 +252,9 @@ def check_service(host, token, rollout_token, contract, max_groups, max_buffer_m
 
 
 TRAINER_TIMEOUT_S = 1200.0  # run_until_done's default: env PROXY_TRAINER_TIMEOUT overrides it
+# ... and before the trainer's first sign: its job's scheduling, image pull, install, model
+# download and first publish (env PROXY_TRAINER_START_TIMEOUT overrides it)
+TRAINER_START_TIMEOUT_S = 3600.0
 
 
 def trainer_signs(buf):
@@ -261,7 +264,8 @@ def trainer_signs(buf):
     return buf.trainer_version, buf.counts["delivered"], buf.deliveries, buf.done
 
 
-def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None):
+def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None,
+                   start_timeout=None):
     """`python proxy.py`'s life after serve(): until the trainer is done and every replica was
     told (or nobody asked for `linger` s), SIGTERM or Ctrl-C; then stop and write the final
     /stats to stats_file.
@@ -272,15 +276,23 @@ def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None
     the proxy ends the run as /done would (the replicas hear "done" at their next /quota and
     exit), then exits with status 1 and says why. A live trainer is never that quiet: it polls
     /batch every <= 30 s while it waits, and its silence lasts one step's compute and publish
-    (or a restart: set the timeout above the trainer's start-up)."""
+    (or a restart: set the timeout above the trainer's start-up). That clock starts at the
+    trainer's first sign: until then the bound is `start_timeout` (None: env
+    PROXY_TRAINER_START_TIMEOUT, else TRAINER_START_TIMEOUT_S; 0: never), since a job's first
+    request waits for its GPU, its image, its install and its model."""
     if trainer_timeout is None:
         trainer_timeout = float(os.environ.get("PROXY_TRAINER_TIMEOUT") or TRAINER_TIMEOUT_S)
+    if start_timeout is None:
+        start_timeout = float(os.environ.get("PROXY_TRAINER_START_TIMEOUT")
+                              or TRAINER_START_TIMEOUT_S)
     buf = server.buffer
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop on SIGTERM as on Ctrl-C
-    if trainer_timeout:
-        log.info("proxy: the run ends if the trainer is silent for %g s (PROXY_TRAINER_TIMEOUT)",
-                 trainer_timeout)
-    heard, signs, lost = time.monotonic(), None, False
+    log.info("proxy: the run ends if the trainer has not spoken within %g s "
+             "(PROXY_TRAINER_START_TIMEOUT), or is then silent for %g s (PROXY_TRAINER_TIMEOUT); "
+             "0: never", start_timeout, trainer_timeout)
+    heard, lost = time.monotonic(), False
+    signs = first = trainer_signs(buf)  # the trainer has spoken once these change
+    spoke = False
     try:
         while thread.is_alive():  # the run ends when the trainer is done and the replicas were told
             thread.join(0.5)
@@ -291,9 +303,12 @@ def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None
                 polling = buf.waiting > 0  # a GET /batch is waiting for groups
             if now != signs or polling:
                 heard, signs = time.monotonic(), now
-            if trainer_timeout and not buf.done and time.monotonic() - heard > trainer_timeout:
-                log.warning("proxy: nothing from the trainer for %g s (PROXY_TRAINER_TIMEOUT): "
-                            "ending the run; the replicas are told to exit", trainer_timeout)
+                spoke = spoke or now != first or polling
+            limit, name = ((trainer_timeout, "PROXY_TRAINER_TIMEOUT") if spoke
+                           else (start_timeout, "PROXY_TRAINER_START_TIMEOUT"))
+            if limit and not buf.done and time.monotonic() - heard > limit:
+                log.warning("proxy: nothing from the trainer for %g s (%s): ending the run; the "
+                            "replicas are told to exit", limit, name)
                 buf.finish()  # what POST /done does: /quota answers "done" from now on
                 lost = True
             if buf.done and (told or quiet):
@@ -311,6 +326,6 @@ def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None
             json.dump(buf.stats(), f)
         os.replace(stats_file + ".part", stats_file)
     if lost:  # the job ends in ERROR: the run did not finish
-        sys.exit(f"proxy.py: the trainer was silent for {trainer_timeout:g} s "
-                 "(PROXY_TRAINER_TIMEOUT): the run was ended and its replicas told to exit; run "
-                 "the launch again to resume from the trainer's last saved state")
+        sys.exit(f"proxy.py: the trainer was silent for {limit:g} s ({name}): the run was ended "
+                 "and its replicas told to exit; run the launch again to resume from the "
+                 "trainer's last saved state" + ("" if spoke else ", or raise " + name))

@@ -263,8 +263,7 @@ def test_preflight_passes_hf_mounts_open_rule_and_names_a_refused_unlink(tmp_pat
 
 def test_a_dead_trainer_ends_the_run_and_the_replica_exits(tiny_model, tmp_path):
     """proxy + replica + trainer as processes; the trainer SIGKILLed after step 2: the proxy ends
-    the run PROXY_TRAINER_TIMEOUT s later (status 1, saying why), the replica exits 0. The
-    silence counts from the proxy's start too: it must outlast the trainer's start-up."""
+    the run PROXY_TRAINER_TIMEOUT s later (status 1, saying why), the replica exits 0."""
     port, bucket, silence = free_port(), str(tmp_path / "bucket"), 30
     env = dict(ENV, PROXY_TOKEN="t" * 32, PROXY_TRAINER_TIMEOUT=str(silence))
     py, url, procs = sys.executable, f"http://127.0.0.1:{port}", []
@@ -305,6 +304,44 @@ def test_a_dead_trainer_ends_the_run_and_the_replica_exits(tiny_model, tmp_path)
     assert "the trainer was silent" in out and "resume" in out, out[-2000:]
     # at most one /batch timeout (30 s) later: a poll the dead trainer left open counts as heard
     assert silence <= took < silence + 45, took
+
+
+def test_the_silence_clock_starts_when_the_trainer_first_speaks(tmp_path):
+    """proxy.py alone, PROXY_TRAINER_TIMEOUT=2: with no trainer yet it keeps the run past 2 s
+    (the start-up bound, PROXY_TRAINER_START_TIMEOUT, is 8 s); once the trainer has spoken
+    (POST /version) and falls silent, the run ends 2 s later; a trainer that never comes ends it
+    at the start-up bound, naming that variable."""
+    import requests
+
+    def proxy(start):
+        port = free_port()
+        env = dict(ENV, PROXY_TOKEN="t" * 32, PROXY_TRAINER_TIMEOUT="2",
+                   PROXY_TRAINER_START_TIMEOUT=str(start))
+        log = open(tmp_path / f"proxy-{start}.log", "w+")
+        p = subprocess.Popen([sys.executable, "proxy.py", "--port", str(port), "--linger", "1"],
+                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_port(port)
+        return p, f"http://127.0.0.1:{port}", log
+
+    p, url, log = proxy(8)
+    try:
+        time.sleep(4)  # twice PROXY_TRAINER_TIMEOUT, no trainer yet: the run goes on
+        assert p.poll() is None, open(log.name).read()
+        requests.post(f"{url}/version", json={"version": 0}, headers={"X-Proxy-Token": "t" * 32},
+                      timeout=10).raise_for_status()
+        spoke = time.time()
+        assert p.wait(timeout=20) == 1
+        assert 2 <= time.time() - spoke < 8, time.time() - spoke
+        assert "nothing from the trainer for 2 s (PROXY_TRAINER_TIMEOUT)" in open(log.name).read()
+    finally:
+        p.kill()
+    p, url, log = proxy(3)  # a trainer that never comes
+    try:
+        assert p.wait(timeout=20) == 1
+        out = open(log.name).read()
+        assert "(PROXY_TRAINER_START_TIMEOUT)" in out and "raise PROXY_TRAINER_START_TIMEOUT" in out, out
+    finally:
+        p.kill()
 
 
 @pytest.fixture
