@@ -56,6 +56,18 @@ def bootstrap_median(values, resamples=10000, level=0.95, seed=0):
     return median(values), lo, hi
 
 
+def bootstrap_difference(a, b, stat=statistics.mean, resamples=10000, level=0.90, seed=0):
+    """(stat(a) - stat(b), low, high): the percentile bootstrap interval of the difference, each
+    side's runs resampled with replacement on their own (two independent samples: a seed does not
+    pair two implementations' runs)."""
+    rng = random.Random(seed)
+    diffs = sorted(stat([rng.choice(a) for _ in a]) - stat([rng.choice(b) for _ in b])
+                   for _ in range(resamples))
+    lo = diffs[int(math.floor((1 - level) / 2 * (resamples - 1)))]
+    hi = diffs[int(math.ceil((1 + level) / 2 * (resamples - 1)))]
+    return stat(a) - stat(b), lo, hi
+
+
 def mcnemar(correct_a, correct_b):
     """McNemar's exact test on paired outcomes (the same problems, two adapters; "0"/"1" each):
     the problems only A solved and only B solved (mcnemar_counts)."""
