@@ -9,6 +9,7 @@ bench_vs_trl.py at a tiny scale (2 steps a side, 20 held-out problems), as it wr
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +67,37 @@ def test_bootstrap_interval_of_the_median():
     med, lo, hi = rs.bootstrap_median([0.1, 0.12, 0.15, 0.2, 0.4])
     assert med == 0.15 and 0.1 <= lo < med < hi <= 0.4
     assert rs.bootstrap_median([0.1, 0.2, math.inf]) == (0.2, 0.1, math.inf)
+
+
+def test_bootstrap_interval_of_a_difference_resamples_each_side_on_its_own():
+    assert rs.bootstrap_difference([0.7, 0.7], [0.6, 0.6]) == pytest.approx((0.1, 0.1, 0.1))
+    # one side constant: the interval is the other side's bootstrap interval of its mean,
+    # mirrored; 2 values: both draws equal the smaller with probability 1/4 > 5%
+    d, lo, hi = rs.bootstrap_difference([0.7], [0.5, 0.7])
+    assert (d, lo, hi) == pytest.approx((0.1, 0.0, 0.2))
+    d, lo, hi = rs.bootstrap_difference([0.70, 0.65, 0.74, 0.62, 0.72],
+                                        [0.65, 0.67, 0.58, 0.50, 0.74], statistics.median)
+    assert d == pytest.approx(0.70 - 0.65) and lo < 0 < d < hi
+
+
+def test_the_many_seed_table_reads_both_record_kinds(tmp_path):
+    """race_seeds.py table: race_seeds' own records (one or a list a file) and
+    bench_sampler_mismatch's runs.jsonl (the side: the file's name; failed runs left out)."""
+    import race_seeds
+
+    (tmp_path / "old.json").write_text(json.dumps(
+        [{"side": "trl", "seed": 0, "accuracy": 0.7}, {"side": "trl", "seed": 1, "accuracy": 0.6}]))
+    (tmp_path / "trl-seed2.json").write_text(json.dumps({"side": "trl", "seed": 2,
+                                                         "accuracy": 0.8}))
+    (tmp_path / "ours-defaults.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"seed": 0, "rc": 0, "accuracy": 0.5}, {"seed": 1, "rc": 1, "accuracy": None},
+        {"seed": 2, "rc": 0, "accuracy": 0.65}]))
+    records = race_seeds.load_records([str(tmp_path)])
+    assert records == {"trl": {0: 0.7, 1: 0.6, 2: 0.8}, "ours-defaults": {0: 0.5, 2: 0.65}}
+    text = race_seeds.table(records)
+    assert "| 70.0 | 60.0 | 80.0 | 3     | 70.0   | 70.0 |" in text
+    assert "| 50.0 | -    | 65.0 | 2     | 57.5   | 57.5 |" in text
+    assert "+12.5 [" in text and "| 3 / 2 " in text
 
 
 def test_compare_and_over_seeds_on_a_real_race():
