@@ -56,8 +56,10 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
   : "${STARTUP_TIMEOUT:=900}"   # seconds for the proxy job to be RUNNING and answer /healthz
-  : "${PROXY_TRAINER_TIMEOUT:=1200}"  # s of trainer silence after which the proxy ends the run;
-                                      # it must outlast a trainer restart (docs/gpu-round.md)
+  : "${PROXY_TRAINER_START_TIMEOUT:=3600}"  # s the proxy waits for the trainer's first request
+                                # (its GPU, image, install, model and first publish), then ends
+  : "${PROXY_TRAINER_TIMEOUT:=1200}"  # s of trainer silence, once it has spoken, after which the
+                                # proxy ends the run; it must outlast a restart (docs/gpu-round.md)
   : "${TRAINER_ATTEMPTS:=2}"   # runs of the trainer job in all (hf jobs run --attempts): a failed
   # one starts again and resumes from the bucket. One restart covers a lost machine; a failure that
   # repeats (a bug, an OOM at the same step) is billed again on each attempt. The proxy and the
@@ -242,6 +244,7 @@ launch_hf() {
     --timeout "$TIMEOUT"      `# a bound: the run ends by itself after STEPS steps` \
     -e HF_HOME=/tmp/hf        `# a writable cache` \
     -e PYTHONUNBUFFERED=1     `# each log line as it is printed` \
+    -e PROXY_TRAINER_START_TIMEOUT="$PROXY_TRAINER_START_TIMEOUT"  `# a trainer that never came` \
     -e PROXY_TRAINER_TIMEOUT="$PROXY_TRAINER_TIMEOUT"  `# a silent trainer ends the run: no bill` \
     ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
     -v "$CODE:/code"          `# this checkout, uploaded, mounted read-only` \
@@ -303,8 +306,10 @@ Launched run $NAME (job ids in $RUN/jobs.txt). Billed until each job ends: the p
 ($TRAINER_FLAVOR), each at most TIMEOUT=$TIMEOUT. They end by themselves after $STEPS steps. A
 trainer that fails starts again and resumes from the bucket (TRAINER_ATTEMPTS=$TRAINER_ATTEMPTS
 runs in all; up to $TRAINER_ATTEMPTS x $TIMEOUT if Jobs counts TIMEOUT per run). If the trainer
-is silent for PROXY_TRAINER_TIMEOUT=${PROXY_TRAINER_TIMEOUT}s the proxy ends the run and the
-replicas exit. Stop everything now (billing stops, nothing restarts): bash jobs.sh stop
+has not spoken within PROXY_TRAINER_START_TIMEOUT=${PROXY_TRAINER_START_TIMEOUT}s, or is then
+silent for PROXY_TRAINER_TIMEOUT=${PROXY_TRAINER_TIMEOUT}s, the proxy ends the run and the
+replicas exit. Each GPU job's log starts with its machine ([machine]: driver, CUDA, GPU).
+Stop everything now (billing stops, nothing restarts): bash jobs.sh stop
   follow the trainer:   bash jobs.sh logs trainer      (or: ${HF[*]} jobs logs -f $tid)
   all stages:           bash jobs.sh status
   stop everything:      bash jobs.sh stop

@@ -4,6 +4,7 @@
     python scripts/gpu_tools.py carry [OUT [3.12]]   # build runs/gpu-carry: what a box lacks
     python scripts/gpu_tools.py peak ROLE.py ARGS...   # run a role, then print its peak memory
     python scripts/gpu_tools.py memory       # the trainer's memory per model, flavour, settings
+    python3 scripts/gpu_tools.py machine     # a GPU job's first lines: driver, CUDA, torch, GPU
 
 toolchain: vLLM 0.32 on a GPU runs Model Runner V2, whose sampler and log-prob kernels are Triton
 kernels compiled at run time (vllm/v1/worker/gpu/sample/); Triton builds a small C launcher with
@@ -26,9 +27,15 @@ own forward (support/shared_prompt.py) runs on the CPU through one and two decod
 model's real shape (random weights, a small vocabulary, a short group of the same prompt to
 completion ratio), every tensor autograd saves is counted once, and the per-layer, per-token
 bytes are scaled to the model's layers and the micro-batch's tokens.
+
+machine: what each GPU job prints first (scripts/job_start.sh): the driver and the newest CUDA it
+runs (nvidia-smi), torch's version and its CUDA build, each GPU with its memory. Exit status 1,
+with what to do, when torch's CUDA is a newer major version than the driver runs (CUDA 13 needs
+an R580+ driver): CUDA cannot start there, and the job would fail later, billed.
 """
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -131,6 +138,68 @@ def peak(argv):
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     runpy.run_path(argv[0], run_name="__main__")
+
+
+# ---- machine: a GPU job's first lines
+
+def machine_lines(smi_header, smi_gpus, torch_version, torch_cuda):
+    """(lines, problem) from `nvidia-smi`'s output (its header: "CUDA Version: X.Y"), `nvidia-smi
+    --query-gpu=index,name,driver_version,memory.total --format=csv,noheader,nounits`'s, and
+    torch's version and CUDA build (None: none). problem: None, or why CUDA cannot start."""
+    lines, problem = [], None
+    gpus = [[w.strip() for w in row.split(",")] for row in smi_gpus.splitlines() if row.strip()]
+    found = re.search(r"CUDA Version:\s*([0-9]+)\.([0-9]+)", smi_header or "")
+    driver_cuda = (int(found[1]), int(found[2])) if found else None
+    if smi_header is None:
+        lines.append("nvidia-smi: none on PATH (no NVIDIA driver in this job)")
+    else:
+        driver = gpus[0][2] if gpus and len(gpus[0]) > 2 else "?"
+        runs = "%d.%d" % driver_cuda if driver_cuda else "?"
+        lines.append(f"nvidia-smi: driver {driver}, runs CUDA up to {runs}")
+    for g in gpus:
+        mib = float(g[3]) if len(g) > 3 and g[3].replace(".", "").isdigit() else None
+        size = f"{mib:.0f} MiB ({mib / 1024:.1f} GiB)" if mib else "? MiB"
+        lines.append(f"GPU {g[0]}: {g[1] if len(g) > 1 else '?'}, {size} total")
+    lines.append(f"torch {torch_version or 'missing'}, built for CUDA {torch_cuda or 'none'}")
+    built = re.match(r"([0-9]+)\.([0-9]+)", torch_cuda or "")
+    if built and driver_cuda:
+        need = (int(built[1]), int(built[2]))
+        if need[0] > driver_cuda[0]:
+            problem = (f"torch is built for CUDA {torch_cuda}, and this driver runs CUDA up to "
+                       f"{driver_cuda[0]}.{driver_cuda[1]}: CUDA cannot start here (CUDA 13 "
+                       "needs an R580+ driver). Launch with the image's CUDA 12.9 build, jobs.sh's "
+                       "IMAGE with -cu129 appended (IMAGE=vllm/vllm-openai:v0.32.0-cu129; "
+                       "docs/hf-jobs.md)")
+        elif need > driver_cuda:
+            lines.append(f"CUDA {torch_cuda} on a driver for {driver_cuda[0]}.{driver_cuda[1]}: "
+                         "runs under CUDA's minor-version compatibility (no newer PTX)")
+    return lines, problem
+
+
+def machine():
+    """Print the machine lines ("[machine] ..."); 1 when CUDA cannot start (machine_lines)."""
+    def smi(*args):
+        try:
+            return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
+                                  timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    header = smi() if which("nvidia-smi") else None
+    gpus = smi("--query-gpu=index,name,driver_version,memory.total",
+               "--format=csv,noheader,nounits") if header is not None else ""
+    try:
+        import torch
+        version, cuda = torch.__version__, torch.version.cuda
+    except ImportError:
+        version = cuda = None
+    lines, problem = machine_lines(header, gpus or "", version, cuda)
+    for line in lines:
+        print(f"[machine] {line}", flush=True)
+    if problem:
+        print(f"[machine] error: {problem}", flush=True)
+        return 1
+    return 0
 
 
 # ---- memory: the trainer's peak, estimated from measured activations
@@ -241,6 +310,8 @@ if __name__ == "__main__":
         carry(*sys.argv[2:4])
     elif what == "peak" and len(sys.argv) > 2:
         peak(sys.argv[2:])
+    elif what == "machine":
+        sys.exit(machine())
     elif what == "memory":
         memory(tuple(sys.argv[2:]) or tuple(QWEN25))
     elif what == "json":  # one estimate as JSON: json NAME TOKENS on|off

@@ -22,8 +22,8 @@ show_settings() {
            ENGINE EVAL_LIMIT END_GRACE THREADS BUCKET \
            PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR TRAINER_GPUS \
            TRAINER_ATTEMPTS TRAINER_FSDP \
-           IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT PROXY_TRAINER_TIMEOUT JOB_ENV TRAINER_ARGS \
-           ROLLOUT_ARGS; do
+           IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT PROXY_TRAINER_START_TIMEOUT \
+           PROXY_TRAINER_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
 }
@@ -38,17 +38,27 @@ host_python() {  # sets PYH: a python3 on this machine (.venv's when there is on
   elif command -v python3 >/dev/null; then PYH=python3
   else die "python3 is missing here (jobs.sh runs proxy.py to make the replicas' tokens)"; fi
 }
-http_get() {  # URL HEADERS [OUT] — status 0 on a 2xx answer. HEADERS ("Name: value" lines) go on
-  # stdin, never on a command line (readable by every user in /proc). curl, else python3.
+http_code() {  # URL HEADERS [OUT] [SECONDS] — print the HTTP status of a GET (000: no answer).
+  # HEADERS ("Name: value" lines) go on stdin, never on a command line (readable by every user in
+  # /proc). curl, else python3.
   if command -v curl >/dev/null; then
     printf '%s\n' "$2" | sed 's/^/header = "/; s/$/"/' |
-      curl -sf --max-time 10 -K - -o "${3:-/dev/null}" "$1" 2>/dev/null
+      curl -s --max-time "${4:-10}" -K - -o "${3:-/dev/null}" -w '%{http_code}' "$1" 2>/dev/null ||
+      true
   else
-    printf '%s' "$2" | "$PYH" -c 'import sys, urllib.request as u
+    printf '%s' "$2" | "$PYH" -c 'import sys, urllib.request as u, urllib.error as e
 headers = dict(line.split(": ", 1) for line in sys.stdin.read().splitlines())
-body = u.urlopen(u.Request(sys.argv[1], headers=headers), timeout=10).read()
-open(sys.argv[2], "wb").write(body)' "$1" "${3:-/dev/null}" 2>/dev/null
+try:
+    r = u.urlopen(u.Request(sys.argv[1], headers=headers), timeout=float(sys.argv[3]))
+    open(sys.argv[2], "wb").write(r.read()); print(r.status)
+except e.HTTPError as x:
+    print(x.code)
+except OSError:
+    print("000")' "$1" "${3:-/dev/null}" "${4:-10}" 2>/dev/null || echo 000
   fi
+}
+http_get() {  # URL HEADERS [OUT] — status 0 on a 2xx answer (http_code)
+  case $(http_code "$@") in 2??) return 0 ;; *) return 1 ;; esac
 }
 replica_token() {  # WORKER — the replicas' secret ROLLOUT_TOKEN bound to one worker name
   "$PYH" "$ROOT/proxy.py" --print-replica-token "$1" ||
@@ -205,9 +215,11 @@ replica_credentials() {  # what a replica job holds is never the account's crede
     else why="GATEWAY_TOKEN is your HF token (HF_TOKEN, or the one of 'hf auth login')."; fi
     why="$why Every replica job holds the token that opens the proxy's *.hf.jobs gateway, so a\
  replica that is taken over would own whatever that token can do. Create a fine-grained token\
- that can only read the jobs' namespace (no write access, no repositories) at\
- https://huggingface.co/settings/tokens, then run GATEWAY_TOKEN=hf_... bash jobs.sh\
- ('bash jobs.sh preflight' shows whether it opens the gateway; docs/hf-jobs.md)"
+ of its own at https://huggingface.co/settings/tokens, with read access to the namespace the jobs\
+ run in and no write access (the gateway wants \"an HF token with read access to the job's\
+ namespace\"; which fine-grained permission that is, no documentation says). Check it first with\
+ GATEWAY_TOKEN=hf_... bash jobs.sh preflight, then launch with the same GATEWAY_TOKEN\
+ (docs/hf-jobs.md)"
   fi
   case $BUCKET in s3://*)
     if [ -n "$why" ]; then :
@@ -298,12 +310,10 @@ run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY, ADAPTER_KEY: r
 }
 # ROLE — sets CMD, the job's `bash -c` text: ARGS run by python3 (the images have no `python`)
 job_command() {
-  CMD="cd /code && exec python3 $(q "${ARGS[@]}")"
-  # The vLLM image has torch, transformers and vLLM; add the rest of requirements.txt (not torch,
-  # not gguf) at its versions. The proxy's image needs nothing: it runs on the standard library.
-  local deps
-  deps='$(grep -E "^[a-z]" /code/requirements.txt | grep -vE "^(torch|gguf)==" | cut -d" " -f1)'
-  [ "$1" = proxy ] || CMD="python3 -m pip install -q --disable-pip-version-check $deps && $CMD"
+  CMD="cd /code && exec python3 $(q "${ARGS[@]}")"   # the proxy's; the other jobs':
+  # The proxy's image needs nothing: it runs on the standard library. The vLLM image's jobs first
+  # print their machine and add the rest of requirements.txt, with retries (scripts/job_start.sh)
+  [ "$1" = proxy ] || CMD="cd /code && exec bash scripts/job_start.sh python3 $(q "${ARGS[@]}")"
 }
 job_env() {  # ROLE — in launch's subshell, before `hf jobs run`: the values behind its --secrets
   case $1 in
@@ -373,7 +383,7 @@ wait_for_proxy() {
   # sets URL (the exposed URL `hf jobs inspect` shows, else the one built from the id). On a
   # timeout or an ended job: a clear message, and every job of this launch cancelled.
   # DRY_RUN: says what it would wait for.
-  local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy}
+  local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy} code
   if [ -n "${DRY_RUN:-}" ]; then
     echo "[jobs] then: wait for RUNNING and GET $URL/healthz" \
          "(Authorization: Bearer \$GATEWAY_TOKEN)" >&2
@@ -388,14 +398,26 @@ wait_for_proxy() {
  see '${HF[*]} jobs logs $1'" ;; esac
     if [ "$stage" = RUNNING ]; then
       [ -z "$public" ] || URL=$public
-      if http_get "$URL/healthz" "Authorization: Bearer $GATEWAY_TOKEN"; then
-        echo "[jobs] the $role job answers at $URL"; return; fi
+      code=$(http_code "$URL/healthz" "Authorization: Bearer $GATEWAY_TOKEN")
+      case $code in
+        2??) echo "[jobs] the $role job answers at $URL"; return ;;
+        401|403) abort_launch "$(token_refused "$code")" ;;
+      esac
     fi
     [ $SECONDS -lt $deadline ] || abort_launch "the $role job $1 did not answer \
 $URL/healthz within \
 ${STARTUP_TIMEOUT}s (stage ${stage:-unknown}): see '${HF[*]} jobs logs $1', or set STARTUP_TIMEOUT"
     sleep 2
   done
+}
+
+token_refused() {  # CODE — why the gateway refused GATEWAY_TOKEN, and what to do
+  echo "the *.hf.jobs gateway answered $1 to GATEWAY_TOKEN ($URL/healthz): that token does not\
+ open this job's port. The gateway wants \"an HF token with read access to the job's namespace\"\
+ (hub-docs, jobs-configuration.md, Expose ports); which fine-grained permission that is, no\
+ documentation says. Give GATEWAY_TOKEN a token of its own that reads the namespace the jobs run\
+ in (not your HF token: every replica holds it), then check it in under 2 minutes with\
+ GATEWAY_TOKEN=hf_... BUCKET=$BUCKET bash jobs.sh preflight (docs/hf-jobs.md)"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +430,7 @@ preflight_hf() {
   hf_cli
   local PYH t0=$SECONDS probe out verdict; host_python
   hf_token
+  replica_credentials   # GATEWAY_TOKEN: the one the launch will give the replicas, tried here
   BUCKET_ID=${BUCKET#hf://buckets/}
   out=$("${HF[@]}" buckets create "$BUCKET_ID" --private --exist-ok 2>&1 </dev/null) ||
     die "could not create the bucket $BUCKET_ID: $out"
@@ -422,9 +445,8 @@ preflight_hf() {
   CMD="cd /code && exec python3 scripts/preflight.py serve /bucket/$NAME --seconds 240"
   launch serve hf jobs run "${opts[@]}" --name "$NAME-serve" --expose 8000 \
     -v "hf://buckets/$BUCKET_ID:/bucket:ro" -- "$PROXY_IMAGE" bash -c "$CMD"
-  # the token to try, from this machine only (these two jobs get no secret)
-  URL=https://$JOB_ID--8000.hf.jobs GATEWAY_TOKEN=${GATEWAY_TOKEN:-$HF_TOKEN}
-  wait_for_proxy "$JOB_ID" serve
+  URL=https://$JOB_ID--8000.hf.jobs  # GATEWAY_TOKEN is tried from this machine only
+  wait_for_proxy "$JOB_ID" serve      # (these two jobs get no secret)
   local reach_s=$((SECONDS - t0))
   CMD="cd /code && exec python3 scripts/preflight.py write /bucket/$NAME --seconds 90"
   launch write hf jobs run "${opts[@]}" --name "$NAME-write" \
@@ -433,6 +455,10 @@ preflight_hf() {
   probe=$(new_token)
   http_get "$URL/headers" "Authorization: Bearer $GATEWAY_TOKEN
 X-Proxy-Token: $probe" "$RUN/headers.json" || abort_launch "GET $URL/headers failed"
+  # what a run sends through the gateway: a POST of 2 MB, a request held 35 s (beside the wait)
+  GATEWAY_TOKEN=$GATEWAY_TOKEN PROBE=$probe "$PYH" "$ROOT/scripts/preflight.py" probe "$URL" \
+    >"$RUN/probe.txt" 2>&1 &
+  local probe_pid=$!
   if http_get "$URL/healthz" "X-Probe: 1"; then verdict="ANSWERED (anyone can reach the port)"
   else verdict="refused"; fi
   local deadline=$((SECONDS + 90)) seen=""
@@ -441,19 +467,20 @@ X-Proxy-Token: $probe" "$RUN/headers.json" || abort_launch "GET $URL/headers fai
       grep -q '"seen": true' "$RUN/bucket.json" && { seen=1; break; }
     sleep 2
   done
+  wait "$probe_pid" || true
   banner "preflight verdicts (details in $RUN/)"
-  echo "[preflight] exposed URL reachable with the HF token (GATEWAY_TOKEN if set): yes," \
-       "$URL/healthz answered" \
+  echo "[preflight] exposed URL reachable with GATEWAY_TOKEN: yes, $URL/healthz answered" \
        "${reach_s}s after the launch; without a token: $verdict"
+  cat "$RUN/probe.txt"
   HEADERS_EXPECTED="Bearer $GATEWAY_TOKEN" PROBE=$probe "$PYH" - "$RUN/headers.json" <<'PY'
 import hashlib, json, os, sys
 got = json.load(open(sys.argv[1]))
 want = hashlib.sha256(os.environ["HEADERS_EXPECTED"].encode()).hexdigest()[:16]
 auth = got["authorization_sha256"]
 print("[preflight] Authorization reaches the container:",
-      "no: the gateway removes it (the HF token stays out of the jobs)" if auth is None else
-      "yes, intact: the job's code can read the HF token of whoever calls it "
-      "(give callers a narrow GATEWAY_TOKEN)" if auth == want else "yes, but altered")
+      "no: the gateway removes it (the caller's token stays out of the jobs)" if auth is None else
+      "yes, intact: the job's code can read the token of whoever calls it "
+      "(one more reason for a narrow GATEWAY_TOKEN)" if auth == want else "yes, but altered")
 xpt = got["x_proxy_token"]
 print("[preflight] X-Proxy-Token reaches the container:",
       "yes, intact: the proxy's own tokens work behind this gateway" if xpt == os.environ["PROBE"]

@@ -2,6 +2,7 @@
 
     python3 scripts/preflight.py serve /bucket/NAME   # job 1: port 8000 exposed, the bucket read-only
     python3 scripts/preflight.py write /bucket/NAME   # job 2: the bucket read-write
+    GATEWAY_TOKEN=hf_... python3 scripts/preflight.py probe URL   # jobs.sh, from this machine
 
 serve answers, on 0.0.0.0:8000: /healthz; /headers, what reached the container: each request
 header's name, with X-Proxy-Token's value and a SHA-256 prefix of Authorization's (so jobs.sh can
@@ -13,6 +14,12 @@ a temp file with O_EXCL, fsync, os.replace, an existing LATEST replaced, os.fwal
 rmdir), one verdict line each; then it writes that file (its own clock and the verdicts inside)
 with a plain open + os.replace, so job 1 learns the verdicts even when DirBucket's writes fail,
 and stays up a minute so that the mount can upload it. Both exit by themselves after --seconds.
+
+probe sends job 1, through the gateway, what a run sends: a POST of --post-mb MB (a replica's
+POST /rollouts carries up to ~1 MB of groups) with `Authorization: Bearer $GATEWAY_TOKEN` and an
+X-Proxy-Token, which serve answers with the size and a SHA-256 prefix of what arrived; then a GET
+that serve holds --hold s before answering (the proxy holds /quota and /batch up to 30 s). One
+verdict line each: the status, the time, and whether the body arrived whole or the hold was cut.
 """
 
 import argparse
@@ -22,6 +29,8 @@ import os
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +51,7 @@ def watch(folder, seen):
             time.sleep(0.5)
 
 
-def serve(folder, seconds):
+def serve(folder, seconds, port=8000):
     seen = {}
     threading.Thread(target=watch, args=(folder, seen), daemon=True).start()
 
@@ -56,8 +65,19 @@ def serve(folder, seconds):
             elif self.path == "/bucket":
                 body = {"seen": "at" in seen, "lag_s": seen.get("lag_s"),
                         "write_path": seen.get("write_path")}
+            elif self.path.startswith("/hold?seconds="):  # what the proxy's /batch does
+                t0 = time.monotonic()
+                time.sleep(min(float(self.path.split("=", 1)[1]), 120))
+                body = {"held_s": round(time.monotonic() - t0, 1)}
             else:
                 body = {"ok": True}
+            self.answer(body)
+
+        def do_POST(self):  # what a replica's POST /rollouts does: its size and a hash of it
+            data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.answer({"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()[:16]})
+
+        def answer(self, body):
             data = json.dumps(body).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -68,9 +88,9 @@ def serve(folder, seconds):
         def log_message(self, fmt, *args):
             print("[preflight serve]", fmt % args, flush=True)
 
-    server = ThreadingHTTPServer(("0.0.0.0", 8000), Handler)
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(f"[preflight serve] listening on 0.0.0.0:8000, watching {folder}/{FILE}", flush=True)
+    print(f"[preflight serve] listening on 0.0.0.0:{port}, watching {folder}/{FILE}", flush=True)
     time.sleep(seconds)
 
 
@@ -132,10 +152,58 @@ def write(folder, seconds):
     time.sleep(seconds)
 
 
+def request(url, data=None, timeout=60):
+    """(status, seconds, parsed JSON body or None) of one request through the gateway, with the
+    headers a replica sends; status 0 when nothing answered."""
+    headers = {"Authorization": f"Bearer {os.environ['GATEWAY_TOKEN']}",
+               "X-Proxy-Token": os.environ.get("PROBE", "preflight"),
+               "Content-Type": "application/json"}
+    t0 = time.monotonic()
+    try:
+        req = urllib.request.Request(url, data, headers)
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, body = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, b""
+    except OSError:
+        status, body = 0, b""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    return status, round(time.monotonic() - t0, 1), parsed
+
+
+def probe(url, post_mb=2.0, hold=35.0):
+    """Print one verdict line for a POST of post_mb MB and one for a request held `hold` s."""
+    body = json.dumps({"groups": os.urandom(int(post_mb * 2**20) // 2).hex()}).encode()
+    status, took, got = request(f"{url}/upload", body)
+    whole = got == {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()[:16]}
+    print(f"[preflight] POST of {len(body) / 2**20:.1f} MB through the gateway (a replica posts up "
+          f"to ~1 MB of groups): " + (f"{status} in {took} s, arrived whole" if whole else
+                                      f"FAILED: status {status or 'none'} after {took} s"
+                                      + (", arrived altered" if got else "")), flush=True)
+    status, took, got = request(f"{url}/hold?seconds={hold:g}", timeout=hold + 60)
+    held = bool(got) and got.get("held_s", 0) >= hold - 0.5
+    print(f"[preflight] a request the job holds {hold:g} s (the proxy holds /quota and /batch up "
+          f"to 30 s): " + (f"{status}, answered after {took} s" if held else
+                           f"CUT: status {status or 'none'} after {took} s: the gateway does not "
+                           f"keep a request open that long"), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["serve", "write"])
-    p.add_argument("folder", help="the run's folder in the mounted bucket")
+    p.add_argument("what", choices=["serve", "write", "probe"])
+    p.add_argument("folder", help="the run's folder in the mounted bucket; probe: job 1's URL")
     p.add_argument("--seconds", type=float, default=180, help="exit after this many seconds")
+    p.add_argument("--port", type=int, default=8000, help="serve: the port")
+    p.add_argument("--post-mb", type=float, default=2.0, help="probe: the POST's size in MB")
+    p.add_argument("--hold", type=float, default=35.0, help="probe: seconds the request is held")
     a = p.parse_args()
-    (serve if a.what == "serve" else write)(a.folder, a.seconds)
+    if a.what == "probe":
+        sys.exit(probe(a.folder.rstrip("/"), a.post_mb, a.hold))
+    elif a.what == "serve":
+        serve(a.folder, a.seconds, a.port)
+    else:
+        write(a.folder, a.seconds)

@@ -5,9 +5,9 @@
 Nothing is installed: `pip install --dry-run --ignore-installed` into a throwaway --target, for
 Linux x86_64 and Python 3.12 (the vLLM image's), CUDA wheels included, resolved on this CPU machine.
 The sets are read from the scripts themselves: `SETUP_DRY_RUN=1 SETUP_GPU=1 bash setup.sh --test`
-prints the pip commands a GPU machine runs, `DRY_RUN=1 bash jobs.sh` the job command whose `pip install`
-adds requirements.txt (less torch and gguf) to the image `vllm/vllm-openai:vX` (vLLM X and its
-torch). pip runs isolated from this machine's configuration (no local wheel folders, no
+prints the pip commands a GPU machine runs, `DRY_RUN=1 bash jobs.sh` the job command, whose
+scripts/job_start.sh (`--packages` prints its list) adds requirements.txt (less torch and gguf) to
+the image `vllm/vllm-openai:vX` (vLLM X and its torch). pip runs isolated from this machine's configuration (no local wheel folders, no
 constraints file): PyPI only. Skipped, with the reason, only when PyPI cannot be reached.
 """
 
@@ -68,8 +68,9 @@ def jobs_image_set(name):
     assert res.returncode == 0, res.stderr
     replica = next(line for line in res.stderr.splitlines() if " jobs run " in line and "rollout.py" in line)
     version = re.search(r" vllm/vllm-openai:v(\d+\.\d+\.\d+) ", replica).group(1)
-    listing = re.search(r"pip install [^$]*\$\((.*?)\) &&", replica).group(1).replace("/code/", ROOT + "/")
-    pkgs = subprocess.run(["bash", "-c", listing], capture_output=True, text=True, check=True).stdout.split()
+    assert " exec bash scripts/job_start.sh python3 rollout.py " in replica, replica  # installs, then runs
+    pkgs = subprocess.run(["bash", "scripts/job_start.sh", "--packages"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.split()  # the list job_start.sh installs
     return version, pkgs
 
 

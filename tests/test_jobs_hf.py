@@ -14,7 +14,9 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 from conftest import ROOT, jobs_sh
@@ -61,15 +63,23 @@ CONTRACT_FLAGS = ["--num-generations", "--groups-per-step", "--max-staleness", "
 GATEWAY_TOKEN = "hf_gateway_standin"  # the replicas' own token for the gateway (run_jobs's default)
 
 
+FORBIDDEN_TOKEN = "hf_no_namespace_read"  # a real token the gateway answers 403: no read access
+
+
 class Gateway(http.server.BaseHTTPRequestHandler):
     """The proxy job behind the Jobs gateway, as jobs.sh's health check meets it: /healthz answers
     200 only with a token that reads the namespace as a bearer: the user's HF token (the stand-in's
-    `hf auth token`) or GATEWAY_TOKEN (401 otherwise). Records each request's headers."""
+    `hf auth token`) or GATEWAY_TOKEN (401 otherwise, 403 for FORBIDDEN_TOKEN). Records each
+    request's headers."""
 
     seen, stats, token = [], None, None  # stats: /stats's answer to the X-Proxy-Token `token`
 
     def do_GET(self):
         Gateway.seen.append(dict(self.headers))
+        if self.headers.get("Authorization") == f"Bearer {FORBIDDEN_TOKEN}":
+            self.send_response(403)
+            self.end_headers()
+            return
         ok = self.headers.get("Authorization") in ("Bearer hf_standin_token", f"Bearer {GATEWAY_TOKEN}")
         if self.path == "/stats":
             ok = ok and Gateway.stats is not None and self.headers.get("X-Proxy-Token") == Gateway.token
@@ -169,7 +179,8 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
         assert any(v.endswith(":/code") for v in value_after(c, "-v")), c  # code shipped as a volume
         assert c[-5:-3] == ["--", c[-4]] and c[-3:-1] == ["bash", "-c"]  # `--` before the image
         # the images link python3 only: never a bare `python`
-        assert "exec python3 " in c[-1] and not re.search(r"\bpython\b(?!3)", c[-1]), c[-1]
+        assert re.search(r"exec (bash scripts/job_start\.sh )?python3 ", c[-1]), c[-1]
+        assert not re.search(r"\bpython\b(?!3)", c[-1]), c[-1]
     # least privilege: only the trainer holds the trainer's token, the state key and the HF token
     assert secrets == {"proxy": ["PROXY_TOKEN", "ROLLOUT_TOKEN"],
                        "rollout-0": ["ROLLOUT_TOKEN", "GATEWAY_TOKEN", "ADAPTER_KEY"],
@@ -185,7 +196,9 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
     # the proxy: CPU flavour, port exposed, bound to 0.0.0.0, and the whole contract, at the GPU
     # experiment's defaults; nothing to install in python:3.12-slim
     assert value_after(proxy, "--flavor") == ["cpu-basic"] and value_after(proxy, "--expose") == ["8000"]
-    assert proxy[-4] == "python:3.12-slim" and "pip install" not in proxy[-1]
+    assert proxy[-4] == "python:3.12-slim" and "job_start.sh" not in proxy[-1]
+    # the trainer's silence counts once it has spoken; before, the start-up bound (an hour)
+    assert {"PROXY_TRAINER_START_TIMEOUT=3600", "PROXY_TRAINER_TIMEOUT=1200"} <= set(value_after(proxy, "-e"))
     assert "--host 0.0.0.0 --port 8000" in proxy[-1] and "HF_TOKEN" not in proxy[-1]
     for flag in ["--num-generations 8", "--groups-per-step 16", "--max-staleness 4", "--temperature 1.0",
                  "--max-completion-length 256", "--zero-variance keep"]:
@@ -205,11 +218,12 @@ def test_hf_jobs_launch_status_and_stop(tmp_path, hf_run_name, gateway):
     assert "trainer.py" in trainer[-1] and f"--proxy {gateway}" in trainer[-1] and "--max-steps 200" in trainer[-1]
     for c in [r0, r1, trainer]:  # the contract reaches them through the proxy's /config only
         assert not [f for f in CONTRACT_FLAGS if f in c[-1]], c[-1]
-        assert c[-1].startswith("python3 -m pip install ") and "/code/requirements.txt" in c[-1]
+        # first the machine and the install (with retries), then the role
+        assert c[-1].startswith("cd /code && exec bash scripts/job_start.sh python3 "), c[-1]
 
     # the package list the jobs install: requirements.txt without torch (the image's) and gguf
-    pkgs = re.search(r"\$\((.*?)\) &&", r0[-1]).group(1).replace("/code/", ROOT + "/")
-    installed = subprocess.run(["bash", "-c", pkgs], capture_output=True, text=True, check=True).stdout.split()
+    installed = subprocess.run(["bash", "scripts/job_start.sh", "--packages"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split()
     assert "peft==0.21.2" in installed and "requests==2.34.2" in installed
     assert not [p for p in installed if p.startswith(("torch", "gguf"))], installed
 
@@ -285,13 +299,27 @@ def test_hf_jobs_replicas_get_their_own_bound_credential(tmp_path, hf_run_name, 
 
 
 @pytest.mark.parametrize("stage, message", [
-    ("RUNNING", "did not answer"),  # the gateway keeps answering 401: the wrong token
+    ("RUNNING", "did not answer"),  # nothing answers on the port
     ("ERROR", "ended (ERROR) before it answered")])
 def test_hf_jobs_launch_stops_when_the_proxy_never_answers(tmp_path, hf_run_name, stage, message):
     res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", STARTUP_TIMEOUT="3",
                           HF_STANDIN_URL="http://127.0.0.1:9", HF_STANDIN_STAGE=stage)
     assert res.returncode != 0 and message in res.stderr, res.stderr
     assert len(job_runs(calls)) == 1  # the proxy only: nothing else started
+    assert [c[2] for c in calls if c[:2] == ["jobs", "cancel"]] == [i for _, i in recorded_ids(hf_run_name)]
+
+
+@pytest.mark.parametrize("token, code", [("hf_not_known_to_the_gateway", 401), (FORBIDDEN_TOKEN, 403)])
+def test_hf_jobs_launch_stops_at_once_when_the_gateway_refuses_the_token(tmp_path, hf_run_name, token, code):
+    """The gateway answers 401 or 403 to GATEWAY_TOKEN (STARTUP_TIMEOUT at its 900 s default): the
+    launch stops at that answer, says which token and what it needs, and cancels the proxy job."""
+    t0 = time.time()
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", GATEWAY_TOKEN=token)
+    assert res.returncode != 0 and time.time() - t0 < 30, res.stderr
+    assert f"the *.hf.jobs gateway answered {code} to GATEWAY_TOKEN" in res.stderr, res.stderr
+    assert "read access to the job's namespace" in res.stderr and "bash jobs.sh preflight" in res.stderr
+    assert token not in res.stdout + res.stderr  # named, never printed
+    assert len(job_runs(calls)) == 1  # the proxy only
     assert [c[2] for c in calls if c[:2] == ["jobs", "cancel"]] == [i for _, i in recorded_ids(hf_run_name)]
 
 
@@ -336,7 +364,8 @@ def test_hf_jobs_dry_run_prints_the_gpu_experiment_and_runs_nothing(tmp_path, hf
         assert line in res.stdout, res.stdout
     printed = [line for line in res.stderr.splitlines() if " jobs run " in line]
     assert len(printed) == 3 and "--expose 8000" in printed[0]  # proxy, 1 replica, trainer
-    assert all("exec python3 " in p for p in printed)
+    assert "exec python3 proxy.py" in printed[0]
+    assert all("exec bash scripts/job_start.sh python3 " in p for p in printed[1:])
     # the start-up order and each job's secrets (names; the values stay in runs/NAME/secrets.env)
     steps = [line for line in res.stderr.splitlines() if line.startswith("[jobs] ")]
     assert steps == ["[jobs] proxy: secrets PROXY_TOKEN ROLLOUT_TOKEN",
@@ -469,3 +498,82 @@ def test_launch_scripts_use_nothing_newer_than_bash_3_2(script):
              "EPOCHSECONDS": r"EPOCH(SECONDS|REALTIME)", "${!array[@]}": r"\$\{!\w+\[@\]\}"}
     found = {what: re.findall(rx, code) for what, rx in newer.items() if re.search(rx, code)}
     assert found == {}, f"{script} uses bash >= 4 features: {found}"
+
+
+# ---- what a GPU job runs before its role: scripts/job_start.sh
+
+NVIDIA_SMI = """#!/bin/sh
+# stand-in nvidia-smi: a driver for CUDA 12.8 and one L4, in nvidia-smi's two formats
+if [ $# = 0 ]; then
+  echo '| NVIDIA-SMI 570.124.06   Driver Version: 570.124.06   CUDA Version: 12.8 |'
+else echo '0, NVIDIA L4, 570.124.06, 23034'; fi
+"""
+PYTHON3 = """#!/bin/sh
+# stand-in python3: `-m pip install` fails while the count in $PIP_FAILS is above 0; the rest is
+# the real interpreter
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  echo "pip install $*" >> "$PIP_FAILS.calls"
+  n=$(cat "$PIP_FAILS")
+  if [ "$n" -gt 0 ]; then
+    echo $((n - 1)) > "$PIP_FAILS"
+    echo "ERROR: Could not find a version that satisfies the requirement peft==0.21.2 (from versions: none)"
+    echo "ERROR: No matching distribution found for peft==0.21.2"; exit 1
+  fi
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def job_start(tmp_path, fails, torch_cuda=None):
+    """Run scripts/job_start.sh as a GPU job would (a stand-in nvidia-smi and pip; torch_cuda: a
+    stand-in torch built for that CUDA, else .venv's CPU torch) with a role that prints a line."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name, text in [("nvidia-smi", NVIDIA_SMI), ("python3", PYTHON3.format(python=sys.executable))]:
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    (tmp_path / "fails").write_text(str(fails))
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PIP_FAILS=str(tmp_path / "fails"),
+               JOB_START_RETRY_S="0")
+    if torch_cuda:
+        (tmp_path / "site" / "torch").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "site" / "torch" / "__init__.py").write_text(
+            f"__version__ = '2.13.0+cu130'\nclass version:\n    cuda = {torch_cuda!r}\n")
+        env["PYTHONPATH"] = str(tmp_path / "site")
+    return subprocess.run(["bash", "scripts/job_start.sh", "python3", "-c", "print('the role starts')"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("fails", [0, 3, 4])
+def test_a_gpu_job_starts_with_its_machine_and_retries_the_install(tmp_path, fails):
+    """The job's log begins with the machine lines; a pip install that fails 3 times is tried a
+    4th time and the role starts; one that fails 4 times ends the job naming the package."""
+    import torch
+
+    res = job_start(tmp_path, fails)
+    lines = res.stdout.splitlines()
+    assert lines[:3] == ["[machine] nvidia-smi: driver 570.124.06, runs CUDA up to 12.8",
+                         "[machine] GPU 0: NVIDIA L4, 23034 MiB (22.5 GiB) total",
+                         f"[machine] torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}"], res.stdout
+    tries = len((tmp_path / "fails.calls").read_text().splitlines())
+    assert tries == min(fails + 1, 4)
+    assert [line for line in lines if line.startswith("[install] pip install failed")] == [
+        f"[install] pip install failed (try {i} of 4): again in 0 s" for i in range(1, min(fails, 3) + 1)]
+    if fails < 4:
+        assert res.returncode == 0 and lines[-1] == "the role starts", res.stdout + res.stderr
+    else:
+        assert res.returncode == 1 and "the role starts" not in res.stdout
+        assert ("[install] error: pip install failed 4 times; the package it could not get: peft==0.21.2"
+                in res.stdout), res.stdout
+
+
+def test_a_gpu_job_whose_driver_is_too_old_for_the_images_cuda_stops_first(tmp_path):
+    """torch built for CUDA 13.0 on a driver that runs CUDA 12.8: the job stops before its install,
+    saying why and which image to use."""
+    res = job_start(tmp_path, 0, torch_cuda="13.0")
+    assert res.returncode == 1 and "the role starts" not in res.stdout, res.stdout + res.stderr
+    assert "[machine] torch 2.13.0+cu130, built for CUDA 13.0" in res.stdout
+    assert ("[machine] error: torch is built for CUDA 13.0, and this driver runs CUDA up to 12.8"
+            in res.stdout and "vllm/vllm-openai:v0.32.0-cu129" in res.stdout), res.stdout
+    assert not (tmp_path / "fails.calls").exists()  # nothing installed
