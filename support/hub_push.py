@@ -41,6 +41,7 @@ CARD_METRICS = ("reward_mean", "reward_std", "kl", "groups", "groups_zero_varian
                 "groups_dropped", "clipped_ratio", "staleness_mean", "tokens", "grad_norm",
                 "learning_rate")
 DATA_FILES = (".jsonl", ".json", ".parquet", ".csv")  # a dataset given as a file: not a Hub id
+EVAL_FIELDS = ("accuracy", "reward_mean")  # of an --eval result, those it has
 GRPO_PAPER = ("DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language "
               "Models", "2402.03300")  # TRL's GRPOTrainer._paper
 
@@ -69,8 +70,8 @@ def verified_adapter(bucket, version=None, key=None, timeout=10.0):
         check_adapter(files[MANIFEST], version, key, b.url)
     missing = [n for n in PEFT_FILES if n not in files]
     if missing:
-        raise BucketError(f"{b.url}: adapter v{version:06d} has no {', '.join(missing)}: not a "
-                          "PEFT folder (trainer.py publishes what PeftModel.save_pretrained writes)")
+        raise BucketError(f"{b.url}: adapter v{version:06d} has no {', '.join(missing)}: not "
+                          "a PEFT folder (trainer.py publishes what save_pretrained writes)")
     return version, files
 
 
@@ -110,7 +111,7 @@ def _number(v):
 
 
 def model_card(repo_id, base_model, version, manifest, record=None, dataset=None,
-               reward_funcs=(), reward_weights=None, peft_version=None):
+               reward_funcs=(), reward_weights=None, peft_version=None, evals=()):
     """README.md for the repository: TRL's lm_model_card.md (YAML metadata, then the model, a
     quick start, the training procedure), for a PEFT adapter and with the run's numbers."""
     from huggingface_hub import ModelCardData
@@ -159,6 +160,16 @@ def model_card(repo_id, base_model, version, manifest, record=None, dataset=None
         lines.append("")
     else:
         lines += ["No step record (metrics/step-*.json) was found in the run's bucket.", ""]
+    if evals:  # rollout.py --eval's results (jobs.sh --local: eval-base.json, eval-final.json)
+        lines += ["### Held-out evaluation (rollout.py --eval, greedy)", "",
+                  "| adapter | n | " + " | ".join(EVAL_FIELDS) + " |",
+                  "|---|---|" + "---|" * len(EVAL_FIELDS)]
+        for e in evals:
+            which = e.get("adapter") if e.get("version") is None else (
+                f"{e.get('adapter')} (v{e['version']})")
+            values = " | ".join(_number(e.get(k, "-")) for k in EVAL_FIELDS)
+            lines.append(f"| {which} | {e.get('n')} | {values} |")
+        lines.append("")
     lines += ["### Framework versions", "", f"- PEFT: {peft_version or 'not recorded'}", ""]
     return "\n".join(lines)
 
@@ -176,16 +187,29 @@ def hub_files(files, version, base_model=None):
     return out, config
 
 
+def eval_result(path):
+    """One rollout.py --eval result file (JSON object); HubError if it is not one."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise HubError(f"--eval {path}: {e}") from None
+    if not isinstance(result, dict):
+        raise HubError(f"--eval {path}: not a rollout.py --eval result (a JSON object)")
+    return result
+
+
 # ---- 4. the push
 
 def push_to_hub(bucket, repo_id, private=False, version=None, token=None, endpoint=None,
                 base_model=None, dataset=None, reward_funcs=(), reward_weights=None, key=None,
-                timeout=10.0):
+                timeout=10.0, evals=()):
     """Upload the adapter (LATEST's version, or `version`) and its model card to the Hub model
     repository repo_id, created if needed (private=True: private; else the namespace's default).
     base_model: the Hub id to record (default: the manifest's, the trainer's --model). Returns
-    the commit's URL. BucketError before anything is sent if the adapter is missing or does not
-    verify; HubError without a token or on the Hub's refusal."""
+    the commit's URL. evals: rollout.py --eval result files, shown in the card. BucketError
+    before anything is sent if the adapter is missing or does not verify; HubError without a
+    token, for an unreadable evals file, or on the Hub's refusal."""
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
     from huggingface_hub.utils import HFValidationError
@@ -196,6 +220,7 @@ def push_to_hub(bucket, repo_id, private=False, version=None, token=None, endpoi
         raise HubError(f"{len(reward_weights)} reward weights for {len(reward_funcs)} reward "
                        "functions: give one weight per function, or none")
     repo_files, config = hub_files(files, version, base_model)
+    evals = [eval_result(path) for path in evals]
     base = base_model or manifest.get("base_model") or config.get("base_model_name_or_path")
     if not is_hub_id(base):
         print(f"hub_push: the base model {base!r} is a local folder: the card names it but "
@@ -211,7 +236,7 @@ def push_to_hub(bucket, repo_id, private=False, version=None, token=None, endpoi
         url = api.create_repo(repo_id, private=private or None, exist_ok=True)
         card = model_card(url.repo_id, base, version, manifest, step_record(bucket,
                           manifest.get("step")), dataset, list(reward_funcs), reward_weights,
-                          config.get("peft_version"))
+                          config.get("peft_version"), evals)
         with tempfile.TemporaryDirectory(prefix="hub-push-") as d:
             for name, data in {**repo_files, "README.md": card.encode()}.items():
                 with open(os.path.join(d, name), "wb") as f:
@@ -245,6 +270,9 @@ def add_arguments(p):
                    help="the reward functions, for the card (TRL's reward_funcs)")
     p.add_argument("--reward-weights", nargs="+", type=float, default=None,
                    help="their weights, for the card (TRL's reward_weights)")
+    p.add_argument("--eval", nargs="+", default=[], metavar="FILE",
+                   help="rollout.py --eval results to show in the card (jobs.sh --local: "
+                   "RUN/eval-base.json RUN/eval-final.json)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for a version whose files do not match its manifest yet")
 
@@ -255,7 +283,7 @@ def push_from_args(args, key=None):
         url = push_to_hub(args.bucket, args.repo_id, private=args.private, version=args.version,
                           base_model=args.base_model, dataset=args.dataset,
                           reward_funcs=args.reward_funcs, reward_weights=args.reward_weights,
-                          key=key, timeout=args.timeout)
+                          key=key, timeout=args.timeout, evals=args.eval)
     except (BucketError, HubError) as e:
         sys.exit(f"sync.py push-to-hub: error: {e}")
     print(f"pushed to {url}")

@@ -185,8 +185,13 @@ def test_the_pushed_repository_loads_with_peft_and_its_card_names_the_run(hub, t
     bucket, model = str(tmp_path / "bucket"), make_lora_model(tiny_model)
     publish(model, bucket, 1, 2, tiny_model)
     want = lora_weights(model)
-    args = ("--bucket", bucket, "--dataset", "openai/gsm8k", "--reward-funcs", "rewards.py:correct",
-            "fmt", "--reward-weights", "1.0", "0.5")
+    evals = []  # rollout.py --eval's result files, as jobs.sh --local writes them
+    for adapter, version, accuracy in (("base", None, 0.125), ("latest", 1, 0.5)):
+        evals.append(tmp_path / f"eval-{adapter}.json")
+        evals[-1].write_text(json.dumps({"adapter": adapter, "version": version, "n": 8,
+                                         "accuracy": accuracy, "results": []}))
+    args = ("--bucket", bucket, "--dataset", "openai/gsm8k", "--reward-funcs",
+            "rewards.py:correct", "fmt", "--reward-weights", "1.0", "0.5", "--eval", *evals)
     r = push(hub, tmp_path, "me/tiny-grpo", *args, "--private", "--base-model", BASE_ID)
     assert r.returncode == 0, r.stderr
     assert re.search(rf"^pushed to {re.escape(hub.url)}/me/tiny-grpo/commit/[0-9a-f]{{40}}$",
@@ -216,6 +221,7 @@ def test_the_pushed_repository_loads_with_peft_and_its_card_names_the_run(hub, t
                   "`rewards.py:correct` (weight 1), `fmt` (weight 0.5)",
                   "- Steps: 2 (adapter version v000001", "### Metrics at step 2",
                   "| reward_mean | 0.25 |", "| rewards/correct/mean | 0.2 |",
+                  "| base | 8 | 0.125 | - |", "| latest (v1) | 8 | 0.5 | - |",
                   f'PeftModel.from_pretrained(base, "me/tiny-grpo")'):
         assert named in text, named
 
@@ -242,7 +248,8 @@ def test_the_pushed_repository_loads_with_peft_and_its_card_names_the_run(hub, t
 
 def test_an_empty_bucket_is_a_clear_error_and_nothing_is_sent(hub, tmp_path):
     r = push(hub, tmp_path, "me/x", "--bucket", tmp_path / "empty")
-    assert r.returncode != 0 and "holds no adapter (no adapters/LATEST): nothing to push" in r.stderr
+    assert r.returncode != 0
+    assert "holds no adapter (no adapters/LATEST): nothing to push" in r.stderr, r.stderr
     assert hub.requests == [] and hub.repos == {}
 
 
@@ -301,3 +308,17 @@ def test_the_requests_of_both_upload_paths_of_the_client(hub, tiny_model, tmp_pa
     stored = buckets.DirBucket(bucket).read("adapters/v000001/adapter_model.safetensors")
     assert hub.repos["standin-user/tiny"]["files"]["adapter_model.safetensors"] == stored
     assert not hub.repos["standin-user/tiny"]["private"]  # no --private: the namespace's default
+
+
+def test_bad_card_inputs_are_refused_before_anything_is_sent(hub, tiny_model, tmp_path):
+    bucket = str(tmp_path / "bucket")
+    publish(make_lora_model(tiny_model), bucket, 1, 1, tiny_model)
+    r = push(hub, tmp_path, "me/x", "--bucket", bucket, "--reward-funcs", "a", "b",
+             "--reward-weights", "1")
+    assert r.returncode != 0 and "1 reward weights for 2 reward functions" in r.stderr, r.stderr
+    (tmp_path / "eval.json").write_text("[1, 2]")
+    r = push(hub, tmp_path, "me/x", "--bucket", bucket, "--eval", tmp_path / "eval.json")
+    assert r.returncode != 0 and "not a rollout.py --eval result" in r.stderr, r.stderr
+    r = push(hub, tmp_path, "me/x", "--bucket", bucket, "--eval", tmp_path / "missing.json")
+    assert r.returncode != 0 and "missing.json" in r.stderr, r.stderr
+    assert hub.requests == []
