@@ -52,13 +52,14 @@ import time
 
 # the backends (a directory, S3), the verified fetch, the trainer's resume state and metrics:
 # support/buckets.py (not needed to follow a hand-off)
-from support.buckets import (LATEST, MANIFEST, METRICS_KEY, BucketError, DirBucket,
-                             as_bucket, fetch_verified, manifest_entry, open_bucket, read_metrics,
-                             safe_name, current_state_id, verified_local)
+from support.buckets import (LATEST, MANIFEST, METRICS_KEY, RECORD_MAX_BYTES, BucketError,
+                             DirBucket, Foreign, as_bucket, current_state_id, fetch_verified,
+                             manifest_entry, open_bucket, parse_json, read_metrics, safe_name,
+                             verified_local)
 # who wrote a version: the tags under ADAPTER_KEY / TRAINER_STATE_KEY (support/adapter_tags.py)
-from support.adapter_tags import (MAX_VERSION, adapter_key, check_adapter, check_latest,
-                                  is_tagged, latest_record, own_latest_and_folder, read_latest,
-                                  version_numbers, with_tags)
+from support.adapter_tags import (MAX_VERSION, Untrusted, adapter_key, check_adapter,
+                                  check_latest, is_tagged, latest_record, manifest_there,
+                                  own_latest_and_folder, read_latest, version_numbers, with_tags)
 
 PULLED = ".pulled-by-sync"  # the mark pull_adapter leaves in each folder it creates
 
@@ -88,7 +89,7 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, key=None, trainer_key=
     # what would refuse it: the version already there, a LATEST not older (with trainer_key, only
     # the trainer's own: support/adapter_tags.py)
     latest, exists = own_latest_and_folder(b, version, trainer_key) if trainer_key else (
-        latest_version(b), b.read(prefix + MANIFEST) is not None)
+        latest_version(b), manifest_there(b, prefix + MANIFEST))
     if exists or (latest is not None and version <= latest):
         what = "already exists" if exists else "is not newer"
         todo = f"publish {(latest or 0) + 1} or later" if (latest or 0) + 1 < MAX_VERSION else (
@@ -119,10 +120,14 @@ def publish_adapter(bucket, adapter_dir, version, keep=6, key=None, trainer_key=
 
 def latest_version(bucket, key=None):
     """The version adapters/LATEST names; None when nothing was published (or LATEST is torn on a
-    mount); BucketError when it holds anything but {"version": N, ...} with an int N >= 0. With
-    key (env ADAPTER_KEY): Untrusted unless it carries the trainer's tag."""
+    mount); Foreign (a BucketError) when it holds anything but {"version": N, ...} with an int
+    N >= 0 (or is larger or deeper than trainer.py writes it). With key (env ADAPTER_KEY):
+    Untrusted unless it carries the trainer's tag, whatever it holds."""
     b = as_bucket(bucket)
-    version, value = read_latest(b)  # support/adapter_tags.py: {"version": N, "tag": T}
+    try:
+        version, value = read_latest(b)  # support/adapter_tags.py: {"version": N, "tag": T}
+    except Foreign as e:
+        raise Untrusted(str(e)) if key else e from None
     if key and version is not None:
         check_latest(value, key, b.url)
     return version
@@ -148,9 +153,9 @@ def pull_adapter(bucket, version, dest_dir, timeout=60.0, key=None):
     dest = os.path.join(dest_dir, name)
     if pulled_copy(dest, version, key):
         return dest
-    files = fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}")
-    if key:  # a version the trainer did not tag is refused before it reaches the disk
-        check_adapter(files[MANIFEST], version, key, b.url)
+    # with a key, a version the trainer did not tag is refused before any of its files is read
+    check = (lambda raw: check_adapter(raw, version, key, b.url)) if key else None
+    files = fetch_verified(b, f"adapters/{name}/", timeout, f"adapter {name}", check)
     os.makedirs(dest_dir, exist_ok=True)
     if os.path.exists(dest) and not os.path.exists(os.path.join(dest, PULLED)):
         raise BucketError(f"{dest} exists and was not made by sync.py (no {PULLED} in it): move it "
@@ -231,22 +236,30 @@ class AdapterCache:
 
 def listing(bucket):
     """The table `python sync.py ls` prints."""
-    b = as_bucket(bucket)
-    latest, now = latest_version(b), time.time()
-    lines = [f"{b.url}: LATEST = {'none' if latest is None else f'v{latest:06d}'}",
+    b, now = as_bucket(bucket), time.time()
+    try:
+        latest = latest_version(b)
+        named = "none" if latest is None else f"v{latest:06d}"
+    except Foreign as e:  # listed, not refused: ls is how one finds what to delete
+        latest, named = None, f"(not trainer.py's: {e})"
+    lines = [f"{b.url}: LATEST = {named}",
              f"{'version':<9} {'files':>5} {'size':>10} {'age':>8} {'step':>6}"]
     for v in versions(b):
-        raw, mark = b.read(f"adapters/v{v:06d}/{MANIFEST}"), " <- LATEST" if v == latest else ""
-        try:  # json.loads(None): no manifest yet
-            m = json.loads(raw)
+        mark, where = " <- LATEST" if v == latest else "", f"adapters/v{v:06d}/{MANIFEST}"
+        try:  # None: no manifest yet
+            m = parse_json(b.read(where, RECORD_MAX_BYTES), where)
             size = sum(f["bytes"] for f in m["files"].values()) / 1e6
             age = now - m.get("created", now)
             lines.append(f"v{v:06d}   {len(m['files']):>5} {size:>7.2f} MB {age:>7.0f}s "
                          f"{str(m.get('step', '-')):>6}{mark}")
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (Foreign, KeyError, TypeError, AttributeError):
             lines.append(f"v{v:06d}   (incomplete: no readable manifest.json){mark}")
     steps = [k for k in b.list("metrics/") if METRICS_KEY.match(k)]
-    lines.append(f"trainer state: {current_state_id(b) or 'none'}; metrics records: {len(steps)}")
+    try:
+        state = current_state_id(b) or "none"
+    except Foreign as e:
+        state = f"(not trainer.py's: {e})"
+    lines.append(f"trainer state: {state}; metrics records: {len(steps)}")
     return "\n".join(lines)
 
 

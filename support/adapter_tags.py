@@ -30,7 +30,8 @@ import os
 import re
 import sys
 
-from support.buckets import LATEST, MANIFEST, BucketError
+from support.buckets import (LATEST, MANIFEST, RECORD_MAX_BYTES, SMALL_MAX_BYTES, BucketError,
+                             Foreign, parse_json)
 
 ADAPTER_KEY = "ADAPTER_KEY"  # the environment variable: the trainer tags with it, replicas check
 TAGS = ("tag", "trainer_tag")  # a manifest's tags: under ADAPTER_KEY, under TRAINER_STATE_KEY
@@ -77,9 +78,11 @@ def latest_record(version, key=None):
 
 
 def _has(value, field, tag):
-    """value (anything parsed from JSON) holds field == tag, compared in constant time."""
+    """value (anything parsed from JSON) holds field == tag, compared in constant time (as ASCII
+    bytes: compare_digest raises TypeError on a str that is not ASCII, such as "é")."""
     got = value.get(field) if isinstance(value, dict) else None
-    return isinstance(got, str) and hmac.compare_digest(got, tag)
+    return isinstance(got, str) and got.isascii() and hmac.compare_digest(got.encode(),
+                                                                          tag.encode())
 
 
 def _tagged(manifest, version, field, key):
@@ -89,9 +92,10 @@ def _tagged(manifest, version, field, key):
 
 
 def _parsed(raw):
+    """A manifest's bytes parsed, or None (nothing there, torn, or Foreign)."""
     try:
-        return json.loads(raw)
-    except (ValueError, TypeError):
+        return parse_json(raw, MANIFEST)
+    except Foreign:
         return None
 
 
@@ -128,14 +132,14 @@ def check_latest(value, key, where):
 
 def read_latest(b):
     """(N, LATEST's object) when adapters/LATEST is {"version": N, ...}; (None, None) when there
-    is none (or it is torn on a mount); BucketError for anything else, or N outside [0, 2^31)."""
-    try:
-        value = json.loads(raw := b.read(LATEST))
-    except (ValueError, TypeError):  # TypeError: json.loads(None), no LATEST
+    is none (or it is torn on a mount); Foreign for anything else (N outside [0, 2^31), more
+    than SMALL_MAX_BYTES, JSON too deep)."""
+    raw = b.read(LATEST, SMALL_MAX_BYTES)
+    if (value := parse_json(raw, f"{b.url}: {LATEST}")) is None:
         return None, None
     if not (isinstance(value, dict) and type(version := value.get("version")) is int
             and 0 <= version < MAX_VERSION):
-        raise BucketError(f"{b.url}: {LATEST} holds {raw[:100]!r}, not {{\"version\": N}} with an "
+        raise Foreign(f"{b.url}: {LATEST} holds {raw[:100]!r}, not {{\"version\": N}} with an "
                           "int 0 <= N < 2^31 as trainer.py writes it: delete it (the trainer's "
                           "next publish writes it again)")
     return version, value
@@ -146,12 +150,23 @@ def version_numbers(b):
     return sorted({int(m.group(1)) for k in b.list("adapters/v") if (m := VERSION_KEY.match(k))})
 
 
+def manifest_there(b, key):
+    """Whether the bucket holds something at the manifest key (read up to a manifest's limit)."""
+    try:
+        return b.read(key, RECORD_MAX_BYTES) is not None
+    except Foreign:
+        return True
+
+
 # ---- the trainer's own versions (TRAINER_STATE_KEY)
 
 def own_manifest(b, version, key):
     """v{version}'s manifest (a dict) when it carries this trainer's tag under key
     (TRAINER_STATE_KEY), else None."""
-    manifest = _parsed(b.read(f"adapters/v{version:06d}/{MANIFEST}"))
+    try:
+        manifest = _parsed(b.read(f"adapters/v{version:06d}/{MANIFEST}", RECORD_MAX_BYTES))
+    except Foreign:  # larger than any manifest trainer.py writes
+        return None
     return manifest if _tagged(manifest, version, "trainer_tag", key) else None
 
 
@@ -170,7 +185,7 @@ def own_latest_and_folder(b, version, key):
     try:
         latest = read_latest(b)[0]
         foreign = latest is not None and latest >= version and not own_manifest(b, latest, key)
-    except BucketError:  # not even {"version": N}
+    except Foreign:  # not even {"version": N}, too large or too deep
         latest, foreign = None, True
     if foreign:
         print(f"trainer: {b.url}: {LATEST} names {'nothing valid' if latest is None else latest}"
@@ -178,7 +193,7 @@ def own_latest_and_folder(b, version, key):
               f"replaced by v{version}", file=sys.stderr, flush=True)
         latest = None
     prefix = f"adapters/v{version:06d}/"
-    there = b.read(prefix + MANIFEST) is not None
+    there = manifest_there(b, prefix + MANIFEST)
     if there and not own_manifest(b, version, key):
         print(f"trainer: {b.url}: {prefix} holds a manifest this trainer did not write (none "
               "tagged under TRAINER_STATE_KEY): replaced", file=sys.stderr, flush=True)

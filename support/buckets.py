@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import stat
 import sys
 import time
 import uuid
@@ -25,10 +27,21 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")  # one part of a file na
 # the temp files of DirBucket's writes of LATEST and metrics
 TEMP_KEY = re.compile(r"^(adapters/\.LATEST|metrics/\.step-\d{6,}\.json)\.[0-9a-f]{8}\.tmp$")
 TEMP_MAX_AGE_S = 600.0  # a temp file this old is a killed write's: publish_adapter deletes it
+# The most a read takes of each key (Bucket.read's limit): trainer.py writes LATEST and STATE in
+# under 200 bytes, a manifest or a metrics record in a few KB, each file the bytes its manifest
+# lists; and JSON at most this deep (trainer.py's: 3). A bigger or deeper object is Foreign.
+SMALL_MAX_BYTES, RECORD_MAX_BYTES, JSON_MAX_DEPTH = 64 << 10, 1 << 20, 16
 
 
 class BucketError(Exception):
     """Something the user can fix; the message says what was wrong and what to set or do."""
+
+
+class Foreign(BucketError):
+    """An object trainer.py never writes: over its key's limit, too large to hold in memory,
+    nested deeper than JSON_MAX_DEPTH, or not of the shape trainer.py gives it. Named and passed
+    over like a planted one (a replica keeps serving; the trainer, with TRAINER_STATE_KEY,
+    replaces it)."""
 
 
 class CorruptAdapter(BucketError):
@@ -44,6 +57,26 @@ class _Outage(Exception):
 def manifest_entry(data):
     """A file's line in a manifest: its sha256 and its size."""
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def parse_json(raw, where):
+    """raw (bytes from the bucket, or None) parsed; None when it is None or not JSON (torn on a
+    mount); Foreign when it nests deeper than JSON_MAX_DEPTH or does not fit in memory (no
+    RecursionError or MemoryError reaches the caller)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, TypeError):  # TypeError: json.loads(None), nothing there
+        return None
+    except (RecursionError, MemoryError) as e:
+        raise Foreign(f"{where} cannot be parsed ({type(e).__name__}): not written by "
+                      "trainer.py") from None
+    level = [value]  # one level of the nesting per turn, without recursion
+    for _ in range(JSON_MAX_DEPTH):
+        level = [v for x in level if isinstance(x, (dict, list))
+                 for v in (x.values() if isinstance(x, dict) else x)]
+        if not level:
+            return value
+    raise Foreign(f"{where} nests JSON deeper than {JSON_MAX_DEPTH}: not written by trainer.py")
 
 
 # ---- the trainer's resume state, and its metrics records
@@ -71,12 +104,13 @@ def save_trainer_state(bucket, local_dir):
 def current_state_id(b):
     """The ID trainer/STATE names (None when there is none); BucketError if it is torn or not an
     ID."""
-    if (raw := b.read(STATE)) is None:
+    if (raw := b.read(STATE, SMALL_MAX_BYTES)) is None:
         return None
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        if isinstance(state_id := json.loads(raw)["id"], str) and SAFE_NAME.fullmatch(state_id):
+    with contextlib.suppress(KeyError, TypeError):
+        state_id = parse_json(raw, f"{b.url}: {STATE}")["id"]
+        if isinstance(state_id, str) and SAFE_NAME.fullmatch(state_id):
             return state_id
-    raise BucketError(f"{b.url}: {STATE} holds {raw[:100]!r}, not {{\"id\": ID}} as "
+    raise Foreign(f"{b.url}: {STATE} holds {raw[:100]!r}, not {{\"id\": ID}} as "
                       "save_trainer_state writes it: put back the ID of a trainer/ID/ folder, or "
                       "delete it to start training afresh")
 
@@ -96,25 +130,33 @@ def load_trainer_state(bucket, dest_dir, timeout=60.0):
 
 
 def append_metrics(bucket, record):
-    """Store one trainer step's record (a dict with an int "step") as metrics/step-{step:06d}.json.
-    Nothing is read back and rewritten, so a bad read (a mount not caught up, S3 answering
-    NoSuchKey) cannot lose history, and a step redone after a resume replaces its record instead
-    of doubling it."""
+    """Store one trainer step's record (a dict with an int "step") as metrics/step-{step:06d}.json;
+    True once written. Nothing is read back and rewritten, so a bad read (a mount not caught up,
+    S3 answering NoSuchKey) cannot lose history, and a step redone after a resume replaces its
+    record instead of doubling it. A write that fails (after the bucket's retries) is one stderr
+    line and False: a metrics record never ends the run."""
     step = record.get("step")
     if type(step) is not int or step < 0:
         raise BucketError(f"a metrics record needs an int \"step\" >= 0, got {step!r}")
-    as_bucket(bucket).write(f"metrics/step-{step:06d}.json", json.dumps(record).encode())
+    try:
+        as_bucket(bucket).write(f"metrics/step-{step:06d}.json", json.dumps(record).encode())
+    except BucketError as e:
+        print(f"sync.py: step {step}'s metrics record not written, the run goes on: {e}",
+              file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def read_metrics(bucket):
-    """Every step's record, oldest step first ([] when there is none; one torn on a mount is
-    skipped).
+    """Every step's record, oldest step first ([] when there is none; one torn on a mount, or
+    one trainer.py did not write, Foreign, is skipped).
     One read per step (on S3 one GET each): for a report, not for a loop."""
     b, records = as_bucket(bucket), []
     steps = sorted((int(m.group(1)), k) for k in b.list("metrics/") if (m := METRICS_KEY.match(k)))
     for _, key in steps:
-        with contextlib.suppress(ValueError, TypeError):
-            records.append(json.loads(b.read(key)))
+        with contextlib.suppress(Foreign):
+            if isinstance(record := parse_json(b.read(key, RECORD_MAX_BYTES), key), dict):
+                records.append(record)
     return records
 
 
@@ -149,13 +191,19 @@ def safe_name(where, name):
 
 
 class Bucket:
-    """The storage interface: .url, read(key) -> bytes | None, write(key, data: bytes),
-    list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated.
+    """The storage interface: .url, read(key, limit=None) -> bytes | None, write(key, data: bytes),
+    list(prefix) -> sorted keys starting with prefix, delete(key). Keys are '/'-separated. read
+    takes at most `limit` bytes: an object larger, or too large for memory, is Foreign, found
+    before its bytes are read.
     Once the bucket has worked, a failure that may pass (S3 unreachable or 5xx, a mount gone or
     read-only) is retried for up to retry_s seconds (open_bucket's argument; one stderr line as the
     outage starts, one as it ends), then BucketError. A bucket that never worked fails at once."""
 
     retry_s = 0.0
+
+    def _too_large(self, key, size, limit):
+        return Foreign(f"{self.url}: {key} holds {size} bytes, more than the {limit} bytes "
+                       "trainer.py ever writes there (or than this machine's memory)")
 
     def _retrying(self, what, attempt, retry):
         try:
@@ -226,14 +274,22 @@ class DirBucket(Bucket):
         finally:
             os.close(fd)
 
-    def read(self, key):
-        return self._retrying(f"read {key}", lambda: self._read(key), self.seen)
+    def read(self, key, limit=None):
+        return self._retrying(f"read {key}", lambda: self._read(key, limit), self.seen)
 
-    def _read(self, key):
+    def _read(self, key, limit):
         try:
             with self._folder(key) as (fd, name):
                 with open(self._open_at(fd, name, os.O_RDONLY, key), "rb") as f:
-                    data = f.read()
+                    size = os.fstat(f.fileno()).st_size  # a sparse 1 TiB file: never read
+                    if limit is not None and size > limit:
+                        raise self._too_large(key, size, limit)
+                    try:  # at most limit + 1 bytes: a file growing meanwhile is caught too
+                        data = f.read(-1 if limit is None else limit + 1)
+                    except MemoryError:
+                        raise self._too_large(key, size, limit) from None
+                    if limit is not None and len(data) > limit:
+                        raise self._too_large(key, len(data), limit)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             if os.path.isdir(self.url):
                 self.seen = True
@@ -263,6 +319,7 @@ class DirBucket(Bucket):
                         f.write(data)
                         f.flush()
                         os.fsync(f.fileno())
+                    self._clear(fd, name, key)
                     os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
                 except BaseException:  # a failed write leaves no temp file behind
                     with contextlib.suppress(OSError):
@@ -271,6 +328,16 @@ class DirBucket(Bucket):
         except OSError as e:
             raise _Outage(f"cannot write {self._path(key)}: {e.strerror}; that folder must be "
                           "writable (mount a bucket read-write) and have free space") from None
+
+    def _clear(self, fd, name, key):
+        """Remove a folder planted where the file `key` goes (the rename would fail on it at every
+        try), saying so on stderr. Its contents go with it, inside the bucket only (rmtree by
+        descriptor follows no symlink)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+                print(f"sync.py: {self.url}: {key} was a folder, which sync.py never writes there: "
+                      "removed, the file written in its place", file=sys.stderr, flush=True)
 
     def list(self, prefix=""):
         folders, keys = prefix.split("/")[:-1], []  # walk only the deepest folder the prefix names
@@ -365,13 +432,19 @@ class S3Bucket(Bucket):
                 "SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError")
         raise (_Outage if outage else BucketError)(f"{self.url}: {msg}")
 
-    def read(self, key):
+    def read(self, key, limit=None):
         def get():
             try:
                 obj = self.client.get_object(Bucket=self.name, Key=self._key(key))
-                return obj["Body"].read()
             except self.client.exceptions.NoSuchKey:
                 return None
+            with contextlib.closing(obj["Body"]) as body:  # the size is known before the bytes
+                if limit is not None and (size := obj["ContentLength"]) > limit:
+                    raise self._too_large(key, size, limit)
+                try:
+                    return body.read()
+                except MemoryError:
+                    raise self._too_large(key, obj["ContentLength"], limit) from None
         return self._call(f"read {key}", get)
 
     def write(self, key, data):
@@ -395,21 +468,22 @@ class S3Bucket(Bucket):
 # ---- the verified fetch: a version (or a resume state) only once every file matches its
 # manifest, waiting out a mount's lag
 
-def fetch_verified(b, prefix, timeout, what):
+def fetch_verified(b, prefix, timeout, what, check=None):
     """try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed.
-    CorruptAdapter when the last look found other bytes than the manifest's, else BucketError."""
+    CorruptAdapter when the last look found other bytes than the manifest's, else BucketError.
+    check(raw manifest) runs before any file is read (a replica's tag check: sync.pull_adapter)."""
     deadline, delay = time.monotonic() + timeout, 0.05
-    files, problem, corrupt = try_fetch(b, prefix)
+    files, problem, corrupt = try_fetch(b, prefix, check)
     # the backoff of Bucket._retrying: a mount catching up shows the files within seconds
     while files is None and (left := deadline - time.monotonic()) > 0:
         if delay == 0.05:  # one line per wait, on the role's stderr
             print(f"sync.py: {b.url}: waiting for {what}: {problem}", file=sys.stderr, flush=True)
         time.sleep(min(delay, left))
         delay = min(2 * delay, 2.0)
-        files, problem, corrupt = try_fetch(b, prefix)
+        files, problem, corrupt = try_fetch(b, prefix, check)
     if corrupt:
-        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; its writer (or someone with "
-                             "write access to the bucket) changed it after its manifest: the next "
+        raise CorruptAdapter(f"{b.url}: {what} is corrupt: {problem}; not what its writer wrote "
+                             "(someone with write access to the bucket changed it?): the next "
                              "version replaces it")
     if files is None:
         raise BucketError(f"{b.url}: {what} is not complete after {timeout:g}s: {problem}; check "
@@ -418,28 +492,38 @@ def fetch_verified(b, prefix, timeout, what):
     return files
 
 
-def try_fetch(b, prefix):
-    """One look at prefix + manifest.json and every file it lists: ({name: bytes} with the
-    manifest, None, False) when all match, else (None, what is wrong, e.g. "KEY is missing",
-    corrupt: True when a file has as many bytes as listed or more, yet other ones: no lag does
-    it)."""
-    raw = b.read(prefix + MANIFEST)
-    try:  # json.loads(None) is a TypeError: a missing manifest lands here too
+def try_fetch(b, prefix, check=None):
+    """One look at prefix + manifest.json and every file it lists, each read only up to the size
+    the manifest gives it: ({name: bytes} with the manifest, None, False) when all match, else
+    (None, what is wrong, e.g. "KEY is missing", corrupt: True when a file has as many bytes as
+    listed or more, yet other ones, or the manifest is Foreign: no lag does it). check: see
+    fetch_verified."""
+    where = f"{prefix}{MANIFEST}"
+    try:
+        raw = b.read(where, RECORD_MAX_BYTES)
         entries = {n: {"sha256": e["sha256"], "bytes": e["bytes"]}
-                   for n, e in json.loads(raw)["files"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError):  # missing, or torn on a mount
+                   for n, e in parse_json(raw, where)["files"].items()}
+    except Foreign as e:
+        return None, str(e), True
+    except (KeyError, TypeError, AttributeError):  # missing (None), or torn on a mount
         why = "is missing" if raw is None else "is not a complete manifest"
-        return None, f"{prefix}{MANIFEST} {why}", False
+        return None, f"{where} {why}", False
+    if check:
+        check(raw)
     files = {MANIFEST: raw}
     for name, entry in sorted(entries.items()):
-        data = files[name] = b.read(prefix + safe_name(f"{b.url}: {prefix}{MANIFEST}", name))
+        if type(size := entry["bytes"]) is not int or size < 0:
+            return None, f"{where} lists {size!r} bytes for {name!r}, not an int >= 0", True
+        try:
+            data = files[name] = b.read(prefix + safe_name(f"{b.url}: {where}", name), size)
+        except Foreign as e:  # more bytes than listed: not read
+            return None, f"{prefix}{name} is not its manifest's: {e}", True
         if data is None:
             return None, f"{prefix}{name} is missing", False
         if manifest_entry(data) != entry:
-            # fewer bytes than listed: a mount still filling it in; as many or more: changed
-            corrupt = not isinstance(entry["bytes"], int) or len(data) >= entry["bytes"]
+            # fewer bytes than listed: a mount still filling it in; as many: changed
             return None, (f"{prefix}{name} has {len(data)} bytes not matching the manifest "
-                          f"({entry['bytes']} bytes, sha256)"), corrupt
+                          f"({size} bytes, sha256)"), len(data) >= size
     return files, None, False
 
 

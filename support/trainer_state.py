@@ -27,7 +27,7 @@ import torch
 
 from support.adapter_tags import (MAX_VERSION, adapter_key, own_versions, read_latest,
                                   version_numbers)
-from support.buckets import LATEST, BucketError, load_trainer_state
+from support.buckets import LATEST, Foreign, load_trainer_state
 from support.devices import card_dtype  # the dtype for this card: one rule, trainer and replicas
 
 
@@ -192,21 +192,22 @@ def numbers_to_follow(b, key, state):
     """(latest, seen, own) of the bucket b for starting_version. Without a key: LATEST (a
     BucketError if it is not {"version": N}) and every version folder, own {}. With key (env
     TRAINER_STATE_KEY): own = {version: manifest} of the versions whose manifest carries this
-    trainer's tag (support/adapter_tags.py), seen = those and the folders right after the newest
-    of them and of the state's (publishes cut short by a kill: never reused), latest = LATEST if
-    it names one of them. A LATEST or a folder past them that the trainer did not write is named
-    on stderr and passed over (its next publish replaces LATEST): a bucket writer can neither end
-    the run nor make it skip ahead."""
+    trainer's tag (support/adapter_tags.py), seen = those and the one folder right after the
+    newest of them and of the state's (a publish a kill cut short: never reused; a kill stops one
+    publish, so a second untagged folder is not its own), latest = LATEST if it names one of them.
+    A LATEST (of any shape or size) or a folder past them that the trainer did not write is named
+    on stderr and passed over (its next publish replaces LATEST, writes over such a folder): a
+    bucket writer can neither end the run nor make it skip ahead."""
     if not key:
         return read_latest(b)[0], version_numbers(b), {}
     own, numbers = own_versions(b, key), version_numbers(b)
     seen, top = set(own), max([*own, state["version"] if state else -1])
-    while top + 1 in numbers:  # the folder of a publish a kill cut short (or a planted one)
+    if top + 1 in numbers:  # the folder of a publish a kill cut short (or a planted one)
         top += 1
         seen.add(top)
     try:
         latest, what = read_latest(b)[0], None
-    except BucketError:  # not even {"version": N}
+    except Foreign:  # not even {"version": N}, or larger or deeper than trainer.py writes it
         latest, what = None, f"{LATEST} (not {{\"version\": N}})"
     if latest is not None and latest not in own:
         latest, what = None, f"{LATEST} (v{latest})"
