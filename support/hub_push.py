@@ -118,7 +118,9 @@ def model_card(repo_id, base_model, version, manifest, record=None, dataset=None
 
     hub_base = base_model if is_hub_id(base_model) else None
     tags = [*TAGS, *([f"base_model:adapter:{hub_base}"] if hub_base else [])]
-    data = ModelCardData(base_model=hub_base, datasets=[dataset] if is_hub_id(dataset) else None,
+    # a built-in task's name (arith, gsm8k) is no dataset: only namespace/name ids are listed
+    hub_data = [dataset] if is_hub_id(dataset) and "/" in dataset else None
+    data = ModelCardData(base_model=hub_base, datasets=hub_data,
                          library_name="peft", model_name=repo_id.split("/")[-1],
                          pipeline_tag="text-generation", tags=tags)
     base_link = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else (

@@ -33,7 +33,7 @@ import torch
 
 import sync
 from conftest import ROOT, make_lora_model
-from support import buckets
+from support import buckets, hub_push
 
 TOKEN = "hf_standin_write_token_0123456789"  # the stand-in's one valid token; never printed
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub id the card records for the tiny model
@@ -322,3 +322,19 @@ def test_bad_card_inputs_are_refused_before_anything_is_sent(hub, tiny_model, tm
     r = push(hub, tmp_path, "me/x", "--bucket", bucket, "--eval", tmp_path / "missing.json")
     assert r.returncode != 0 and "missing.json" in r.stderr, r.stderr
     assert hub.requests == []
+
+
+def test_the_card_lists_only_hub_ids_in_its_metadata(tiny_model):
+    """TRL writes base_model only when the model was not a local folder; a local dataset file or
+    a built-in task's name is no Hub dataset. The text names them all the same."""
+    from huggingface_hub import ModelCard
+
+    for base, dataset in ((tiny_model, "arith"), (tiny_model, "data/train.jsonl"),
+                          ("org/model", "gsm8k")):
+        card = ModelCard(hub_push.model_card("me/x", base, 3, {"step": 3}, None, dataset, ["f"]))
+        assert card.data.datasets is None and f"`{dataset}`" in card.text
+        assert card.data.base_model == (None if base == tiny_model else base)
+        assert ("`" + base + "` (a local folder)" in card.text) == (base == tiny_model)
+    card = ModelCard(hub_push.model_card("me/x", "org/model", 3, {}, None, "openai/gsm8k", []))
+    assert card.data.datasets == ["openai/gsm8k"]
+    assert "trained with GRPO on `openai/gsm8k`." in card.text
