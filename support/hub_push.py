@@ -272,7 +272,7 @@ def add_arguments(p):
                    help="the reward functions, for the card (TRL's reward_funcs)")
     p.add_argument("--reward-weights", nargs="+", type=float, default=None,
                    help="their weights, for the card (TRL's reward_weights)")
-    p.add_argument("--eval", nargs="+", default=[], metavar="FILE",
+    p.add_argument("--eval", nargs="+", action="extend", default=[], metavar="FILE",
                    help="rollout.py --eval results to show in the card (jobs.sh --local: "
                    "RUN/eval-base.json RUN/eval-final.json)")
     p.add_argument("--timeout", type=float, default=10.0,
