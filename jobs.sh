@@ -48,11 +48,17 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${OLD_LOGPROBS:=learner}"    # vLLM's bf16 sampler != the trainer: TRL's correction
   : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-256}}"  # MAX_NEW_TOKENS: its old name
   : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
+  : "${MICRO_BATCH_TOKENS:=2048}"   # one group per forward: ~9 GiB, 40% of an L4 (8192: ~20 GiB,
+                                    # 87%; docs/gpu-round.md's table, estimated)
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
   : "${ROLLOUT_FLAVORS:=}"   # a mixed pool, one replica per flavor: "a10g-small l4x1 t4-small"
   : "${TRAINER_GPUS:=$(flavor_gpus "$TRAINER_FLAVOR")}"   # trainer ranks, one per GPU: h200x2: 2
   [ -z "$ROLLOUT_FLAVORS" ] || pool_size   # sets REPLICAS; the proxy shares each step by speed
   : "${IMAGE:=vllm/vllm-openai:v0.32.0}"   # setup.sh's vLLM pin: torch 2.13.0, transformers <5.20
+  # (a CUDA 13.0 build: R580+ drivers; on an older driver the GPU jobs stop at once and say so:
+  # IMAGE=vllm/vllm-openai:v0.32.0-cu129 is vLLM's CUDA 12.9 build, docs/hf-jobs.md)
+  : "${MODEL_MOUNT:=0}"   # 1: MODEL mounted read-only at /model in the replicas and the trainer,
+  # for a gated or private model (the replicas hold no HF token). 0: each job downloads it
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
   : "${STARTUP_TIMEOUT:=900}"   # seconds for the proxy job to be RUNNING and answer /healthz
@@ -82,6 +88,7 @@ case $TRAINER_FSDP:$TRAINER_GPUS in
   *) die "TRAINER_FSDP='$TRAINER_FSDP': 0 or 1" ;;
 esac
 : "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
+: "${MICRO_BATCH_TOKENS:=8192}"     # (locally: the trainer's default)
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
 : "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
@@ -121,6 +128,7 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
         --learning-rate "$LEARNING_RATE" --lr-scheduler-type "$LR_SCHEDULER_TYPE"
         --lora-r "$LORA_R" --lora-alpha "$LORA_ALPHA"
         --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED"
+        --micro-batch-tokens "$MICRO_BATCH_TOKENS"   # tokens per forward and backward pass
         --old-logprobs "$OLD_LOGPROBS"   # docs/sampler-mismatch.md: which, and why
         --vllm-importance-sampling-mode "$VLLM_IMPORTANCE_SAMPLING_MODE"
         --task "$TASK")   # the trainer re-scores each group from its task item (arith, gsm8k, math)
@@ -255,9 +263,9 @@ launch_hf() {
   URL=https://$JOB_ID--8000.hf.jobs
   wait_for_proxy "$JOB_ID"   # RUNNING, and /healthz answers; sets URL to the exposed one
 
-  # 2. The replicas. CMD: pip install the rest of requirements.txt, exec python3 rollout.py ...
+  # 2. The replicas. CMD: the machine, the rest of requirements.txt, exec python3 rollout.py ...
   for ((i = 0; i < REPLICAS; i++)); do
-    rollout_args "$MODEL" "$BUCKET_PATH" "$URL" "$i"; job_command rollout
+    rollout_args "$JOB_MODEL" "$BUCKET_PATH" "$URL" "$i"; job_command rollout
     launch "rollout-$i" hf jobs run \
       --detach                `# print the job id and return` \
       --name "$NAME-rollout-$i"  `# worker replica-i at the proxy` \
@@ -265,17 +273,19 @@ launch_hf() {
       --timeout "$TIMEOUT"    `# a bound: it exits once the trainer is done` \
       -e HF_HOME=/tmp/hf      `# a writable cache for the model` \
       -e PYTHONUNBUFFERED=1   `# each log line as it is printed` \
+      -e PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  `# less fragmentation` \
       ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
       -v "$CODE:/code"        `# this checkout, uploaded, mounted read-only` \
       --secrets ROLLOUT_TOKEN `# its own: the secret bound to replica-i (job_env)` \
       --secrets GATEWAY_TOKEN `# opens the gateway: never your HF token` \
       --secrets ADAPTER_KEY   `# checks the trainer's tag on each adapter and LATEST` \
       "${BUCKET_RO[@]}"       `# the bucket read-only; on s3, read-only keys` \
+      ${MODEL_VOL[@]+"${MODEL_VOL[@]}"}  `# MODEL_MOUNT=1: the model at /model, read-only` \
       -- "$IMAGE" bash -c "$CMD"   `# the vLLM image: torch and vLLM at the setup.sh pins`
   done
 
-  # 3. The trainer. CMD: pip install the rest of requirements.txt, exec python3 trainer.py ...
-  trainer_args "$MODEL" "$BUCKET_PATH" "$URL"; job_command trainer
+  # 3. The trainer. CMD: the machine, the rest of requirements.txt, exec python3 trainer.py ...
+  trainer_args "$JOB_MODEL" "$BUCKET_PATH" "$URL"; job_command trainer
   launch trainer hf jobs run \
     --detach                  `# print the job id and return` \
     --name "$NAME-trainer"    `# bash jobs.sh logs trainer follows it` \
@@ -285,6 +295,7 @@ launch_hf() {
                               `# id; it resumes from the bucket (huggingface_hub >= 2.1)` \
     -e HF_HOME=/tmp/hf        `# a writable cache for the model` \
     -e PYTHONUNBUFFERED=1     `# each log line as it is printed` \
+    -e PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  `# less fragmentation` \
     ${JOB_ENV_OPTS[@]+"${JOB_ENV_OPTS[@]}"}  `# JOB_ENV, one -e K=V per word` \
     -v "$CODE:/code"          `# this checkout, uploaded, mounted read-only` \
     --secrets PROXY_TOKEN     `# every proxy endpoint` \
@@ -293,6 +304,7 @@ launch_hf() {
     --secrets GATEWAY_TOKEN   `# opens the gateway` \
     --secrets HF_TOKEN        `# the bucket and gated models: the trainer only` \
     "${BUCKET_RW[@]}"         `# the bucket read-write: adapters, metrics, state` \
+    ${MODEL_VOL[@]+"${MODEL_VOL[@]}"}  `# MODEL_MOUNT=1: the model at /model, read-only` \
     -- "$IMAGE" bash -c "$CMD"   `# the same image as the replicas`
   tid=$JOB_ID
   trap - INT TERM

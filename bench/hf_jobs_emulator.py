@@ -25,7 +25,8 @@ How a job runs (Linux, as root, with mount and network namespaces):
    only when the packages are already installed, and changes nothing.
 3. Network: all jobs share one network namespace (loopback, GATEWAY_IP and JOB_IP). An exposed
    port sits behind a gateway, as on Jobs: every request needs `Authorization: Bearer <the
-   emulated user's HF token>` (HF_EMU_USER_TOKEN, default hf_emulated_token), else 401; with
+   emulated user's HF token>` (HF_EMU_USER_TOKEN, default hf_emulated_token), else 401 (403 for a
+   token in HF_EMU_FORBIDDEN_TOKENS: a real token without read access to the namespace); with
    HF_EMU_GATEWAY=strip the gateway removes Authorization before forwarding (=forward, the
    default, passes it on: which one Jobs does is what `bash jobs.sh preflight` finds out). The
    gateway forwards to JOB_IP:<port>, so a server bound to 127.0.0.1 cannot be reached; one
@@ -33,8 +34,9 @@ How a job runs (Linux, as root, with mount and network namespaces):
    127.0.0.1 (the URL `hf jobs inspect` shows); https://<id>--<port>.hf.jobs and that URL are
    rewritten to the jobs' side in the command and environment of jobs submitted later: the one
    change made to a job's command.
-4. Stage: SCHEDULING (HF_EMU_SCHEDULING seconds, default 2), RUNNING, then COMPLETED (exit 0),
-   ERROR (another exit status, or --timeout) or CANCELED.
+4. Stage: SCHEDULING (HF_EMU_SCHEDULING seconds, default 2; HF_EMU_SCHEDULING_BY_FLAVOR="a10g-large=40
+   ..." gives a flavour its own: a GPU that is slow to come, a trainer that starts late), RUNNING,
+   then COMPLETED (exit 0), ERROR (another exit status, or --timeout) or CANCELED.
 5. Attempts (`hf jobs run --attempts N`). Read in huggingface_hub 2.4: "Maximum attempts,
    including the first run. Defaults to 1" (cli/jobs.py:492), "3 retries a failed Job up to 2
    times" (hf_api.py:12170-12172), sent as the job spec's `attempts` (_jobs_api.py:678-679), shown
@@ -47,7 +49,8 @@ How a job runs (Linux, as root, with mount and network namespaces):
    `hf jobs logs` leaves out as huggingface_hub does, hf_api.py:12403); a cancel never
    restarts; --timeout is one clock for the whole job, from the first attempt's start, and its
    expiry ends the job in ERROR without a new attempt.
-No GPU: the flavour is only checked against huggingface_hub's list of flavours.
+No GPU: the flavour is only checked against huggingface_hub's list of flavours. A job on a GPU
+flavour finds `nvidia-smi` on its PATH when HF_EMU_NVIDIA_SMI names a stand-in script for it.
 """
 
 import ctypes
@@ -131,9 +134,12 @@ def network():
     return proc.pid
 
 
-def image_bin(image):
-    """The PATH folder of an image: the tools, `python3` and `pip` (see the module docstring)."""
+def image_bin(image, gpu=False):
+    """The PATH folder of an image: the tools, `python3` and `pip` (see the module docstring);
+    on a GPU flavour, HF_EMU_NVIDIA_SMI as `nvidia-smi` when it is set."""
     kind = "python" if image.startswith("python:") else "full"
+    smi = os.environ.get("HF_EMU_NVIDIA_SMI") if gpu else None
+    kind += "-gpu" if smi else ""
     bindir = path("image-bin", kind)
     if os.path.isdir(bindir):
         return bindir
@@ -141,7 +147,9 @@ def image_bin(image):
     for tool in TOOLS:
         if shutil.which(tool):
             os.symlink(os.path.realpath(shutil.which(tool)), os.path.join(bindir + ".tmp", tool))
-    flag = " -S" if kind == "python" else ""
+    if smi:
+        os.symlink(os.path.realpath(smi), os.path.join(bindir + ".tmp", "nvidia-smi"))
+    flag = " -S" if kind.startswith("python") else ""
     scripts = {"python3": f'#!/bin/bash\n{NO_PIP_INDEX} exec {VENV_PYTHON}{flag} "$@"\n',
                "pip": f'#!/bin/bash\n{NO_PIP_INDEX} exec {VENV_PYTHON} -m pip "$@"\n'}  # installs nothing
     for name, text in scripts.items():
@@ -216,7 +224,7 @@ def run_job(self, *, image, command, env=None, secrets=None, flavor=None, timeou
     jobdir = path("jobs", job_id)
     os.makedirs(os.path.join(jobdir, "home"))
     gpu = not (flavor or "cpu-basic").startswith("cpu")  # what ACCELERATOR holds on Jobs: a guess
-    job_env.update(PATH=image_bin(image), HOME=os.path.join(jobdir, "home"), JOB_ID=job_id,
+    job_env.update(PATH=image_bin(image, gpu), HOME=os.path.join(jobdir, "home"), JOB_ID=job_id,
                    ACCELERATOR=flavor if gpu else "none", CPU_CORES=str(os.cpu_count()),
                    MEMORY=f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') >> 30}Gi")
     n = len(os.listdir(path("jobs")))
@@ -364,6 +372,10 @@ class Gateway(http.server.BaseHTTPRequestHandler):
 
     def forward(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        forbidden = os.environ.get("HF_EMU_FORBIDDEN_TOKENS", "").split()
+        if self.headers.get("Authorization", "").removeprefix("Bearer ") in forbidden:
+            return self.reply(403, b"403 Forbidden: this token has no read access to the job's "
+                                   b"namespace (hf jobs emulator gateway)")
         if self.headers.get("Authorization") != f"Bearer {USER_TOKEN}":
             return self.reply(401, b"401 Unauthorized: send Authorization: Bearer <an HF token with "
                                    b"read access to the job's namespace> (hf jobs emulator gateway)")
@@ -427,8 +439,10 @@ def supervise(jobdir):
     then write result.json. The gateway and the bucket views live as long as this process."""
     spec = read_json(os.path.join(jobdir, "job.json"))
     canceled = os.path.join(jobdir, "canceled")
+    by_flavor = dict(w.split("=", 1) for w in os.environ.get("HF_EMU_SCHEDULING_BY_FLAVOR", "").split())
+    scheduling = float(by_flavor.get(spec["flavor"], os.environ.get("HF_EMU_SCHEDULING", "2")))
     for attempt in range(1, spec["attempts"] + 1):
-        time.sleep(float(os.environ.get("HF_EMU_SCHEDULING", "2")))
+        time.sleep(scheduling)
         if os.path.exists(canceled):
             return write_json(os.path.join(jobdir, "result.json"), {"rc": -15, "message": None})
         if attempt == 1:

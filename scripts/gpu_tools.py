@@ -53,8 +53,12 @@ QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddi
     "3B": (2048, 11008, 36, 16, 2, 151936, True),
     "7B": (3584, 18944, 28, 28, 4, 152064, False),
 }
-# GPU memory per Jobs flavour in GiB (the trainer uses one GPU); t4: no bf16, the trainer refuses
-FLAVORS = {"l4x1": 24, "a10g-small": 24, "l40sx1": 48, "a100-large": 80, "h200": 141}
+# GPU memory a process sees per Jobs flavour, in GiB (nvidia-smi's memory.total of one GPU, not the
+# marketing figure: an L4's "24 GB" is 23034 MiB). Assumed from the cards' usual nvidia-smi totals;
+# each GPU job's "[machine] GPU 0: ..." line (job_start.sh) shows the real one. t4: no bf16, the
+# trainer refuses it.
+FLAVORS = {"l4x1": 22.5, "a10g-small": 22.5, "l40sx1": 45.0, "a100-large": 80.0, "h200": 140.4}
+FIT = 0.8  # "fits": the estimate within 80% of that: a margin for what the estimate leaves out
 OVERHEAD_GIB = 1.5  # CUDA context, cuBLAS workspace, the allocator's rounding: a margin
 GIB = 2**30
 
@@ -288,14 +292,14 @@ def estimate(name, micro_batch_tokens=8192, prompt=150, completion=256, generati
 
 
 def memory(names=tuple(QWEN25), settings=((8192, False), (8192, True), (2048, False))):
-    """Print the table: per model and setting, the estimate and the flavours it fits (<= 90%)."""
+    """Print the table: per model and setting, the estimate and the flavours it fits (<= FIT)."""
     print("| model | --micro-batch-tokens | --gradient-checkpointing | weights | activations | "
           "logits | total (GiB) | fits (trainer) |")
     print("|---|---|---|---|---|---|---|---|")
     for name in names:
         for tokens, ck in settings:
             e = estimate(name, tokens, checkpointing=ck)
-            fits = [f for f, gib in FLAVORS.items() if e["total_gib"] <= 0.9 * gib]
+            fits = [f for f, gib in FLAVORS.items() if e["total_gib"] <= FIT * gib]
             print(f"| {e['model']} | {tokens} ({e['groups']} group{'s' * (e['groups'] > 1)}) | "
                   f"{'on' if ck else 'off'} | {e['weights_gib']} | {e['activations_gib']} | "
                   f"{e['logits_gib']} | {e['total_gib']} | {', '.join(fits) or 'none'} "

@@ -19,10 +19,11 @@ show_settings() {
   for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
            TEMPERATURE MAX_COMPLETION_LENGTH ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
            LORA_ALPHA LOSS_TYPE OLD_LOGPROBS VLLM_IMPORTANCE_SAMPLING_MODE BETA SAVE_EVERY SEED \
+           MICRO_BATCH_TOKENS \
            ENGINE EVAL_LIMIT END_GRACE THREADS BUCKET \
            PROXY_PORT PROXY_FLAVOR ROLLOUT_FLAVOR ROLLOUT_FLAVORS TRAINER_FLAVOR TRAINER_GPUS \
            TRAINER_ATTEMPTS TRAINER_FSDP \
-           IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT PROXY_TRAINER_START_TIMEOUT \
+           MODEL_MOUNT IMAGE PROXY_IMAGE TIMEOUT STARTUP_TIMEOUT PROXY_TRAINER_START_TIMEOUT \
            PROXY_TRAINER_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
@@ -237,10 +238,37 @@ replica_credentials() {  # what a replica job holds is never the account's crede
   echo "jobs.sh: DRY_RUN: a launch would refuse here: $why" >&2
 }
 
+model_source() {  # sets JOB_MODEL (MODEL as the jobs see it) and MODEL_VOL (its -v, if mounted).
+  # MODEL_MOUNT=0 (the default: each job downloads it into its HF_HOME): the Hub must serve MODEL
+  # to anyone, since the replicas hold no HF token; a private or gated one is refused here, with
+  # what to do. Asked anonymously at $HF_ENDPOINT/api/models/MODEL (huggingface_hub's ModelInfo:
+  # `gated` is "auto", "manual" or false); a Hub that does not answer is only a warning.
+  MODEL_VOL=() JOB_MODEL=$MODEL
+  case $MODEL_MOUNT in
+    1) MODEL_VOL=(-v "hf://models/$MODEL:/model:ro") JOB_MODEL=/model; return ;;
+    0) ;;
+    *) die "MODEL_MOUNT='$MODEL_MOUNT': 0 (each job downloads MODEL) or 1 (mounted at /model)" ;;
+  esac
+  if [ -d "$MODEL" ] || [ -n "${DRY_RUN:-}" ]; then return; fi
+  local info=$RUN/model-info.json code
+  code=$(http_code "${HF_ENDPOINT:-https://huggingface.co}/api/models/$MODEL" "Accept: */*" "$info")
+  case $code in
+    2??) if grep -qE '"gated": *"(auto|manual)"' "$info"; then
+           die "MODEL $MODEL is gated: the replicas (no HF token) cannot download it. Set" \
+               "MODEL_MOUNT=1 (the jobs mount it read-only at /model; docs/hf-jobs.md)"
+         fi ;;
+    401|403|404) die "the Hub does not serve MODEL $MODEL to anyone ($code: private, or no such" \
+      "model): the replicas (no HF token) cannot download it. Check the name, or set" \
+      "MODEL_MOUNT=1 (the jobs mount it read-only at /model; docs/hf-jobs.md)" ;;
+    *) echo "jobs.sh: warning: could not ask the Hub whether $MODEL is public ($code);" \
+            "a gated or private MODEL needs MODEL_MOUNT=1" >&2 ;;
+  esac
+}
 prepare_hf() {  # everything before the first `hf jobs run`: the CLI and the token, the checks,
   # runs/.last-hf, the bucket, the per-run secrets, the code. Sets BUCKET_PATH (the run's folder
   # as the jobs see it), CODE (the folder shipped as /code), BUCKET_RW and BUCKET_RO (the
-  # trainer's and the replicas' way to the bucket) and JOB_ENV_OPTS (-e K=V of JOB_ENV).
+  # trainer's and the replicas' way to the bucket), JOB_ENV_OPTS (-e K=V of JOB_ENV), JOB_MODEL
+  # and MODEL_VOL (model_source).
   [ -n "${BUCKET:-}" ] ||
     die "BUCKET is required: an HF Storage Bucket (user/name) or s3://bucket/prefix"
   hf_cli
@@ -252,6 +280,7 @@ prepare_hf() {  # everything before the first `hf jobs run`: the CLI and the tok
     echo "$NAME" >runs/.last-hf; : >"$RUN/jobs.txt"
   fi
   show_settings
+  model_source
   local out w
   case $BUCKET in
     s3://*)  # S3 / R2 / MinIO: reached with boto3 from inside the jobs, no mount; the keys are

@@ -13,6 +13,7 @@
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_gpu_round.py -q
 """
 
+import datetime
 import errno
 import importlib.util
 import json
@@ -259,6 +260,74 @@ def test_preflight_passes_hf_mounts_open_rule_and_names_a_refused_unlink(tmp_pat
     assert verdicts["delete 0.1 s later"] == "ok", verdicts
 
 
+def standin_gateway(backend_port, token, cut_after):
+    """A stand-in Jobs gateway on 127.0.0.1: 401 without `Authorization: Bearer token`, else the
+    request forwarded to backend_port; an answer that takes over cut_after s ends in 504."""
+    import http.client
+    import http.server
+    import threading
+
+    class Gate(http.server.BaseHTTPRequestHandler):
+        def forward(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            code, data = 401, b"401 Unauthorized"
+            if self.headers.get("Authorization") == f"Bearer {token}":
+                conn = http.client.HTTPConnection("127.0.0.1", backend_port, timeout=cut_after)
+                try:
+                    conn.request(self.command, self.path, body=body or None,
+                                 headers={k: v for k, v in self.headers.items()})
+                    resp = conn.getresponse()
+                    code, data = resp.status, resp.read()
+                except TimeoutError:
+                    code, data = 504, b"504 Gateway Timeout"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = forward
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("token, cut_after", [("good", 30), ("good", 1.5), ("bad", 30)])
+def test_preflight_posts_2_mb_and_holds_a_request_through_a_gateway(tmp_path, token, cut_after):
+    """preflight.py probe against preflight.py serve behind a stand-in gateway: the POST arrives
+    whole and the hold (3 s here; 35 s in preflight) is answered; a gateway that cuts requests
+    after 1.5 s gives the CUT verdict; a refused token, FAILED with its status."""
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-S", "scripts/preflight.py", "serve", str(tmp_path),
+                              "--seconds", "60", "--port", str(port)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gate = standin_gateway(port, "good", cut_after)
+    try:
+        wait_port(port)
+        res = subprocess.run([sys.executable, "-S", "scripts/preflight.py", "probe",
+                              f"http://127.0.0.1:{gate.server_address[1]}", "--hold", "3"],
+                             cwd=ROOT, env=dict(ENV, GATEWAY_TOKEN=token), capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        gate.shutdown()
+        serve.kill()
+        serve.wait()
+    assert res.returncode == 0, res.stdout + res.stderr
+    post, hold = res.stdout.splitlines()
+    if token == "bad":
+        assert ": FAILED: status 401 after " in post, post
+        assert "CUT: status 401" in hold, hold
+    else:
+        assert re.search(r"^\[preflight\] POST of 2\.0 MB .*: 200 in [0-9.]+ s, arrived whole$", post)
+        if cut_after > 3:
+            assert re.search(r"holds 3 s .*: 200, answered after 3\.\d s$", hold), hold
+        else:
+            assert re.search(r"CUT: status 504 after 1\.\d s: the gateway does not keep", hold), hold
+
+
 # ---- a run whose trainer dies ends by itself
 
 def test_a_dead_trainer_ends_the_run_and_the_replica_exits(tiny_model, tmp_path):
@@ -411,15 +480,14 @@ def launch_emulated(env, tiny_model, name, silence, **settings):
     """`bash jobs.sh` on the emulated Jobs: proxy, one replica (hf engine, toy task) and trainer
     on the tiny model, state saved every 2 steps, PROXY_TRAINER_TIMEOUT=silence. -> (env, {role:
     job id})."""
-    offline = ("HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false "
-               f"PROXY_TRAINER_TIMEOUT={silence}")
+    offline = "HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false"
     # the replicas' own token for the gateway (jobs.sh refuses the user's HF token there)
     gateway = dict(GATEWAY_TOKEN="hf_emulated_gateway", HF_EMU_USER_TOKEN="hf_emulated_gateway")
     env = dict(env, **gateway, NAME=name, BUCKET="alice/grpo", MODEL=tiny_model, TASK="toy",
                REPLICAS="1", NUM_GENERATIONS="4", GROUPS_PER_STEP="2", MAX_COMPLETION_LENGTH="6",
                MAX_STALENESS="1", LORA_R="8", LORA_ALPHA="16", SAVE_EVERY="2", ENGINE="hf",
                TIMEOUT="15m", JOB_ENV=offline, HF_EMU_MOUNT_LAG="1 2", STARTUP_TIMEOUT="120",
-               **settings)
+               PROXY_TRAINER_TIMEOUT=str(silence), **settings)
     res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(os.path.join(ROOT, "runs", name, "jobs.txt")) as f:
@@ -429,9 +497,7 @@ def launch_emulated(env, tiny_model, name, silence, **settings):
 def test_a_killed_trainer_job_ends_every_job_on_emulated_jobs(hf_jobs, tiny_model, hf_run_name):
     """`bash jobs.sh` on the emulated Jobs, the trainer job cancelled after step 1 (attempts left:
     a cancel does not restart it): the proxy ends the run PROXY_TRAINER_TIMEOUT s later and the
-    replica exits; no job is left running. The silence counts from the proxy's start too (a
-    trainer job that never starts ends the run as well): it must outlast the trainer job's
-    start-up here."""
+    replica exits; no job is left running."""
     silence = 60
     env, jobs = launch_emulated(hf_jobs, tiny_model, hf_run_name, silence, STEPS="1000")
     wait_for_log(env, jobs["trainer"], "step 1 ")
@@ -445,6 +511,47 @@ def test_a_killed_trainer_job_ends_every_job_on_emulated_jobs(hf_jobs, tiny_mode
     proxy_log = job_log(env, jobs["proxy"])
     assert f"nothing from the trainer for {silence} s" in proxy_log, proxy_log[-2000:]
     assert job_log(env, jobs["trainer"]).count("starting fresh") == 1  # no second attempt
+
+
+NVIDIA_SMI = """#!/bin/sh
+# stand-in nvidia-smi: an R580 driver (CUDA 13.0) and one A10G, in nvidia-smi's two formats
+if [ $# = 0 ]; then
+  echo '| NVIDIA-SMI 580.65.06    Driver Version: 580.65.06    CUDA Version: 13.0 |'
+else echo '0, NVIDIA A10G, 580.65.06, 23028'; fi
+"""
+
+
+def test_a_trainer_that_starts_later_than_the_silence_bound_completes(hf_jobs, tiny_model,
+                                                                         hf_run_name, tmp_path):
+    """PROXY_TRAINER_TIMEOUT=15 s and the trainer's GPU flavour scheduled 45 s after its launch
+    (HF_EMU_SCHEDULING_BY_FLAVOR): the proxy keeps the run until the trainer first speaks
+    (PROXY_TRAINER_START_TIMEOUT, an hour), and all three jobs complete. Each GPU job's log begins
+    with its machine (a stand-in nvidia-smi on the GPU flavours' PATH); the proxy's has none."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(NVIDIA_SMI)
+    smi.chmod(0o755)
+    silence = 15
+    env, jobs = launch_emulated(hf_jobs, tiny_model, hf_run_name, silence, STEPS="4",
+                                TRAINER_FLAVOR="a10g-large", HF_EMU_NVIDIA_SMI=str(smi),
+                                HF_EMU_SCHEDULING_BY_FLAVOR="a10g-large=45")
+    now = wait_until_ended(env, jobs, 400)
+    logs = {role: job_log(env, jid) for role, jid in jobs.items()}
+    assert {r: s["stage"] for r, s in now.items()} == dict.fromkeys(jobs, "COMPLETED"), (
+        now, {r: log[-1500:] for r, log in logs.items()})
+
+    def started(role):  # the emulator's first log line: "===== Job started at <iso time> ..."
+        with open(os.path.join(env["HF_EMU_DIR"], "jobs", jobs[role], "log")) as f:
+            return datetime.datetime.fromisoformat(f.readline().split()[4]).timestamp()
+
+    assert started("trainer") - started("proxy") > silence + 20  # it came late, and was waited for
+    for role in ("rollout-0", "trainer"):
+        assert logs[role].splitlines()[:3] == [
+            "[machine] nvidia-smi: driver 580.65.06, runs CUDA up to 13.0",
+            "[machine] GPU 0: NVIDIA A10G, 23028 MiB (22.5 GiB) total",
+            f"[machine] torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}"
+        ], logs[role][:1500]
+    assert "[machine]" not in logs["proxy"]
+    assert "PROXY_TRAINER_START_TIMEOUT" in logs["proxy"]  # its bound, announced at the start
 
 
 def test_the_emulated_jobs_run_a_failed_command_again_while_attempts_remain(hf_jobs):

@@ -75,6 +75,8 @@ class Gateway(http.server.BaseHTTPRequestHandler):
     seen, stats, token = [], None, None  # stats: /stats's answer to the X-Proxy-Token `token`
 
     def do_GET(self):
+        if self.path.startswith("/api/models/"):  # the Hub's model API (HF_ENDPOINT), anonymous
+            return self.model_info(self.path.removeprefix("/api/models/"))
         Gateway.seen.append(dict(self.headers))
         if self.headers.get("Authorization") == f"Bearer {FORBIDDEN_TOKEN}":
             self.send_response(403)
@@ -88,6 +90,18 @@ class Gateway(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         body = json.dumps(Gateway.stats if self.path == "/stats" else {"ok": True}).encode()
         self.wfile.write(body if ok else b"401 Unauthorized")
+
+    def model_info(self, model):
+        """As huggingface.co answers without a token: 401 for a private model, `gated` for a gated
+        one ("manual" here), else false."""
+        if model.endswith("private-model"):
+            self.send_response(401)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.end_headers()
+        gated = "manual" if model.endswith("gated-model") else False
+        self.wfile.write(json.dumps({"id": model, "private": False, "gated": gated}).encode())
 
     def log_message(self, *args):
         pass
@@ -117,7 +131,7 @@ def run_jobs(tmp_path, *args, **env_extra):
         if f.exists():
             f.unlink()
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HF_STANDIN_LOG=str(log),
-               HF_STANDIN_URL=Gateway.url)
+               HF_STANDIN_URL=Gateway.url, HF_ENDPOINT=Gateway.url)  # the Hub's model API too
     for k in ("HF_TOKEN", "GATEWAY_TOKEN", "PROXY_TOKEN", "ROLLOUT_TOKEN", "TRAINER_STATE_KEY", "ADAPTER_KEY",
               "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ROLLOUT_AWS_ACCESS_KEY_ID",
               "ROLLOUT_AWS_SECRET_ACCESS_KEY", "DRY_RUN"):
@@ -321,6 +335,23 @@ def test_hf_jobs_launch_stops_at_once_when_the_gateway_refuses_the_token(tmp_pat
     assert token not in res.stdout + res.stderr  # named, never printed
     assert len(job_runs(calls)) == 1  # the proxy only
     assert [c[2] for c in calls if c[:2] == ["jobs", "cancel"]] == [i for _, i in recorded_ids(hf_run_name)]
+
+
+@pytest.mark.parametrize("model, message", [
+    ("org/gated-model", "MODEL org/gated-model is gated: the replicas (no HF token) cannot download it"),
+    ("org/private-model", "the Hub does not serve MODEL org/private-model to anyone (401")])
+def test_hf_jobs_refuses_a_model_the_replicas_cannot_download_unless_mounted(tmp_path, hf_run_name, model, message):
+    """A gated or private MODEL: the launch stops before any job and says MODEL_MOUNT=1; with it,
+    the replicas and the trainer mount the model read-only at /model and load it from there."""
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", MODEL=model)
+    assert res.returncode != 0 and message in res.stderr and "MODEL_MOUNT=1" in res.stderr, res.stderr
+    assert job_runs(calls) == []
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="alice/b", MODEL=model, MODEL_MOUNT="1")
+    assert res.returncode == 0, res.stderr
+    proxy, *others = job_runs(calls)
+    assert not [v for v in value_after(proxy, "-v") if "models" in v]
+    for c in others:
+        assert f"hf://models/{model}:/model:ro" in value_after(c, "-v") and "--model /model " in c[-1], c
 
 
 def test_hf_jobs_stop_cancels_every_job_when_one_cancel_fails(tmp_path, hf_run_name):
