@@ -1,8 +1,9 @@
 """The card under a role: which dtype it computes in, and the trainer's activation checkpointing.
 
     card_dtype(capability, role)  one rule for the trainer and both engines: bf16 from compute
-                                  capability 8.0; below it fp16 for a replica, a refusal for the
-                                  trainer; fp32 without CUDA
+                                  capability 8.0; below it fp16 for a replica (vLLM 0.32's wheels
+                                  start at 7.5, the T4's), a refusal for the trainer; fp32
+                                  without CUDA
     checkpoint_layers(model)      trainer.py --gradient-checkpointing: each decoder layer's
                                   activations recomputed in the backward pass, the shared-prompt
                                   forward's KV cache kept correct
@@ -26,9 +27,10 @@ def card_dtype(capability, role, name="this GPU"):
 
     From 8.0 (A10G, L4, L40S, A100, H200) "bfloat16", for the trainer and both engines alike, so
     that sampler and learner run the same dtype. Below 8.0 (T4: 7.5) there is no bf16: a replica
-    serves "float16" (what vLLM's dtype "auto" falls back to there, config/model.py:2405-2443);
-    the trainer refuses (ValueError, its message says what to do): training in fp16 needs the loss
-    scaling this trainer does not do."""
+    serves "float16" (what vLLM's dtype "auto" falls back to there, config/model.py:2405-2443).
+    vLLM 0.32's CUDA wheels are built for capability 7.5 and up, so below 7.5 (no Jobs flavour)
+    only the hf engine (ENGINE=hf) can serve. The trainer refuses (ValueError, its message says
+    what to do): training in fp16 needs the loss scaling this trainer does not do."""
     if capability is None:
         return "float32"
     if tuple(capability) >= BF16_FROM:
