@@ -211,23 +211,47 @@ def test_jobs_sh_run_ends_by_itself_on_emulated_jobs(hf_jobs, tiny_model, hf_run
     assert f"step {steps}" in follow.stdout, follow.stdout[-2000:] + follow.stderr
 
 
+@pytest.mark.parametrize("token, code", [("hf_not_a_token_of_this_user", 401), ("hf_no_namespace_read", 403)])
+def test_a_launch_whose_gateway_refuses_the_token_stops_and_cancels(hf_jobs, tiny_model, hf_run_name, token, code):
+    """The emulated gateway answers 401 (an unknown token) or 403 (HF_EMU_FORBIDDEN_TOKENS: no read
+    access to the namespace) to GATEWAY_TOKEN: jobs.sh stops at that answer, well before
+    STARTUP_TIMEOUT, names the token, and the proxy job it started ends CANCELED."""
+    env = dict(hf_jobs, GATEWAY_TOKEN=token, HF_EMU_USER_TOKEN="hf_emulated_gateway_token",
+               HF_EMU_FORBIDDEN_TOKENS="hf_no_namespace_read", NAME=hf_run_name, BUCKET="alice/grpo",
+               MODEL=tiny_model, TASK="toy", STARTUP_TIMEOUT="300")
+    t0 = time.time()
+    res = subprocess.run(jobs_sh(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and time.time() - t0 < 60, res.stdout + res.stderr
+    assert f"the *.hf.jobs gateway answered {code} to GATEWAY_TOKEN" in res.stderr, res.stderr
+    assert token not in res.stdout + res.stderr
+    jobs = [line.split() for line in open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt"))]
+    assert [r for r, _ in jobs] == ["proxy"] and wait_stage(env, jobs[0][1]) == "CANCELED"
+
+
 @pytest.mark.parametrize("gateway", ["forward", "strip"])
 def test_preflight_answers_each_question_on_emulated_jobs(hf_jobs, hf_run_name, gateway):
-    env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/pre", HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="2 3")
+    """Preflight tries GATEWAY_TOKEN, the token the launch gives the replicas (the emulated
+    gateway takes it as the user's), and sends what a run sends: a 2 MB POST, a request held 35 s."""
+    token = "hf_emulated_gateway_token"
+    env = dict(hf_jobs, NAME=hf_run_name, BUCKET="alice/pre", HF_EMU_GATEWAY=gateway, HF_EMU_MOUNT_LAG="2 3",
+               GATEWAY_TOKEN=token, HF_EMU_USER_TOKEN=token)
     t0 = time.time()
     res = subprocess.run(jobs_sh("preflight"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert time.time() - t0 < 120, "preflight must take under 2 minutes"
     verdicts = [line for line in res.stdout.splitlines() if line.startswith("[preflight] ")]
     text = "\n".join(verdicts)
-    assert "reachable with the HF token (GATEWAY_TOKEN if set): yes" in text, text
+    assert "reachable with GATEWAY_TOKEN: yes" in text, text
+    assert re.search(r"POST of 2\.0 MB through the gateway .*: 200 in [0-9.]+ s, arrived whole", text), text
+    held = re.search(r"a request the job holds 35 s .*: 200, answered after ([0-9.]+) s", text)
+    assert held and 35 <= float(held.group(1)) < 60, text
     assert "without a token: refused" in text, text
     assert ("Authorization reaches the container: yes, intact" in text) == (gateway == "forward"), text
     assert ("Authorization reaches the container: no: the gateway removes it" in text) == (gateway == "strip")
     assert "X-Proxy-Token reaches the container: yes, intact" in text, text
     lag = float(re.search(r"bucket: the file job 2 wrote was seen by job 1 after ([0-9.]+) s", text).group(1))
     assert 1.5 < lag < 10, text  # HF_EMU_MOUNT_LAG 2-3 s
-    assert "hf_emulated_token" not in res.stdout + res.stderr  # the token is never printed
+    assert token not in res.stdout + res.stderr and "hf_emulated_token" not in res.stdout + res.stderr
     jobs = [line.split() for line in open(os.path.join(ROOT, "runs", hf_run_name, "jobs.txt"))]
     assert [r for r, _ in jobs] == ["serve", "write"]
     assert all(wait_stage(env, jid) == "CANCELED" for _, jid in jobs)
