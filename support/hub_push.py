@@ -76,8 +76,8 @@ def verified_adapter(bucket, version=None, key=None, timeout=10.0):
 
 
 def step_record(bucket, step):
-    """metrics/step-S.json for the adapter's step S, else the newest record before it (a record
-    lost to a mount); None when there is none."""
+    """(S, metrics/step-S.json's record) for the adapter's step S, else for the newest record
+    before it (one lost to a mount); None when there is none."""
     b = as_bucket(bucket)
     keys = {int(m.group(1)): k for k in b.list("metrics/") if (m := METRICS_KEY.match(k))}
     for s in sorted((s for s in keys if step is None or s <= step), reverse=True):
@@ -86,7 +86,7 @@ def step_record(bucket, step):
         except (ValueError, TypeError):  # torn on a mount: the one before
             continue
         if isinstance(record, dict):
-            return record
+            return s, record
     return None
 
 
@@ -113,7 +113,8 @@ def _number(v):
 def model_card(repo_id, base_model, version, manifest, record=None, dataset=None,
                reward_funcs=(), reward_weights=None, peft_version=None, evals=()):
     """README.md for the repository: TRL's lm_model_card.md (YAML metadata, then the model, a
-    quick start, the training procedure), for a PEFT adapter and with the run's numbers."""
+    quick start, the training procedure), for a PEFT adapter and with the run's numbers. record:
+    step_record's (S, record) or None; evals: rollout.py --eval results (JSON objects)."""
     from huggingface_hub import ModelCardData
 
     hub_base = base_model if is_hub_id(base_model) else None
@@ -129,7 +130,10 @@ def model_card(repo_id, base_model, version, manifest, record=None, dataset=None
     funcs = ", ".join(f"`{f}`" + (f" (weight {_number(w)})" if reward_weights else "")
                       for f, w in zip(reward_funcs, weights)) or "not recorded"
     step, created = manifest.get("step"), manifest.get("created")
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(created)) if created else "-"
+    try:  # the manifest's numbers are the bucket's: anything but a time is left out
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(created))
+    except (TypeError, ValueError, OverflowError, OSError):
+        when = "-"
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# Model Card for {repo_id.split('/')[-1]}", "",
@@ -152,10 +156,10 @@ def model_card(repo_id, base_model, version, manifest, record=None, dataset=None
         f"- Steps: {step if step is not None else 'not recorded'} (adapter version "
         f"v{version:06d}, published {when})", ""]
     if record:
+        s, record = record
         rows = [k for k in CARD_METRICS if k in record] + sorted(
             k for k in record if k.startswith("rewards/"))  # TRL's per-function rewards
-        lines += [f"### Metrics at step {record.get('step')} (metrics/step-"
-                  f"{record.get('step', 0):06d}.json in the run's bucket)", "",
+        lines += [f"### Metrics at step {s} (metrics/step-{s:06d}.json in the run's bucket)", "",
                   "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_number(record[k])} |" for k in rows
                   if isinstance(record[k], (int, float))]
@@ -177,10 +181,13 @@ def model_card(repo_id, base_model, version, manifest, record=None, dataset=None
 
 
 def hub_files(files, version, base_model=None):
-    """{name: bytes} for the repository: the adapter's files but its manifest and any README.md
-    (PEFT's generic card), base_model_name_or_path set to base_model when given."""
-    out = {n: d for n, d in files.items() if n not in (MANIFEST, "README.md")}
-    config = json.loads(out["adapter_config.json"])
+    """{name: bytes} for the repository: PEFT_FILES (not the manifest, nor PEFT's generic
+    README.md), base_model_name_or_path set to base_model when given; and the config."""
+    out = {n: files[n] for n in PEFT_FILES}
+    try:
+        config = json.loads(out["adapter_config.json"])
+    except ValueError:
+        config = None
     if not isinstance(config, dict):
         raise BucketError(f"adapter v{version:06d}: adapter_config.json is not a JSON object")
     if base_model and config.get("base_model_name_or_path") != base_model:
@@ -214,10 +221,17 @@ def push_to_hub(bucket, repo_id, private=False, version=None, token=None, endpoi
     token, for an unreadable evals file, or on the Hub's refusal."""
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-    from huggingface_hub.utils import HFValidationError
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"{repo_id!r} is not a Hub repository id (user/name or org/name): "
+                       f"{e}") from None
     version, files = verified_adapter(bucket, version, key, timeout)
     manifest = json.loads(files[MANIFEST])
+    if type(manifest.get("step")) is not int:  # the bucket's: not a step is none
+        manifest["step"] = None
     if reward_weights and len(reward_weights) != len(reward_funcs):
         raise HubError(f"{len(reward_weights)} reward weights for {len(reward_funcs)} reward "
                        "functions: give one weight per function, or none")
@@ -225,9 +239,10 @@ def push_to_hub(bucket, repo_id, private=False, version=None, token=None, endpoi
     evals = [eval_result(path) for path in evals]
     base = base_model or manifest.get("base_model") or config.get("base_model_name_or_path")
     if not is_hub_id(base):
-        print(f"hub_push: the base model {base!r} is a local folder: the card names it but "
-              "leaves base_model out of its metadata; pass --base-model HUB_ID (the folder's "
-              "model on the Hub) so that others can load the adapter", file=sys.stderr)
+        print(f"sync.py push-to-hub: the base model {base!r} is a local folder, not a Hub id: "
+              "the card names it but leaves base_model out of its metadata; pass --base-model "
+              "HUB_ID (the folder's model on the Hub) so that others can load the adapter",
+              file=sys.stderr)
     token = token or get_token()
     if not token:
         raise HubError("no Hugging Face token: set HF_TOKEN to a token with write access to "
@@ -236,16 +251,16 @@ def push_to_hub(bucket, repo_id, private=False, version=None, token=None, endpoi
     api = HfApi(endpoint=endpoint, token=token)
     try:
         url = api.create_repo(repo_id, private=private or None, exist_ok=True)
-        card = model_card(url.repo_id, base, version, manifest, step_record(bucket,
-                          manifest.get("step")), dataset, list(reward_funcs), reward_weights,
-                          config.get("peft_version"), evals)
+        card = model_card(url.repo_id, base, version, manifest,
+                          step_record(bucket, manifest["step"]), dataset, list(reward_funcs),
+                          reward_weights, config.get("peft_version"), evals)
         with tempfile.TemporaryDirectory(prefix="hub-push-") as d:
             for name, data in {**repo_files, "README.md": card.encode()}.items():
                 with open(os.path.join(d, name), "wb") as f:
                     f.write(data)
             commit = api.upload_folder(
                 repo_id=url.repo_id, folder_path=d,
-                commit_message=f"GRPO adapter v{version:06d} (step {manifest.get('step')})")
+                commit_message=f"GRPO adapter v{version:06d} (step {manifest['step']})")
     except (HfHubHTTPError, OfflineModeIsEnabled, HFValidationError) as e:
         raise HubError(f"{repo_id}: {e}") from None
     return commit.commit_url

@@ -321,6 +321,8 @@ def test_bad_card_inputs_are_refused_before_anything_is_sent(hub, tiny_model, tm
     assert r.returncode != 0 and "not a rollout.py --eval result" in r.stderr, r.stderr
     r = push(hub, tmp_path, "me/x", "--bucket", bucket, "--eval", tmp_path / "missing.json")
     assert r.returncode != 0 and "missing.json" in r.stderr, r.stderr
+    r = push(hub, tmp_path, "me/x/y", "--bucket", bucket)
+    assert r.returncode != 0 and "'me/x/y' is not a Hub repository id" in r.stderr, r.stderr
     assert hub.requests == []
 
 
@@ -338,3 +340,25 @@ def test_the_card_lists_only_hub_ids_in_its_metadata(tiny_model):
     card = ModelCard(hub_push.model_card("me/x", "org/model", 3, {}, None, "openai/gsm8k", []))
     assert card.data.datasets == ["openai/gsm8k"]
     assert "trained with GRPO on `openai/gsm8k`." in card.text
+
+
+def test_odd_fields_in_the_bucket_do_not_stop_the_push(hub, tiny_model, tmp_path):
+    """The manifest's own fields and the step records are whatever the bucket holds (only the
+    files are checked against the manifest): a field that is not a time or a number, or a torn
+    record, is left out of the card."""
+    bucket = str(tmp_path / "bucket")
+    publish(make_lora_model(tiny_model), bucket, 1, 2, tiny_model)
+    path = os.path.join(bucket, "adapters", "v000001", "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(manifest, created="yesterday", step=[2]), f)
+    with open(os.path.join(bucket, "metrics", "step-000002.json"), "w") as f:
+        f.write('{"step": 2, "reward_')  # torn: the record before it is shown
+    buckets.append_metrics(bucket, {"step": 1, "reward_mean": 0.5, "reward_std": "high"})
+    r = push(hub, tmp_path, "me/x", "--bucket", bucket, "--base-model", BASE_ID)
+    assert r.returncode == 0, r.stderr
+    card = hub.repos["me/x"]["files"]["README.md"].decode()
+    assert "- Steps: not recorded (adapter version v000001, published -)" in card
+    assert "### Metrics at step 1" in card and "| reward_mean | 0.5 |" in card
+    assert "reward_std" not in card
