@@ -2,11 +2,11 @@
 # Async GRPO with LoRA: start the proxy, the rollout replicas and the trainer.
 #
 #   bash jobs.sh --local              # all three roles on this machine, a directory as the bucket
+#   BUCKET=user/name GATEWAY_TOKEN=hf_... bash jobs.sh preflight   # first: 2 cpu-basic jobs,
+#        # < 2 min: the token opens the gateway, a 2 MB POST, a 35 s hold, headers, bucket lag
 #   BUCKET=user/name GATEWAY_TOKEN=hf_... bash jobs.sh   # on Hugging Face Jobs (launch_hf below)
 #   bash jobs.sh status|logs [ROLE]|stop     # the last Hugging Face Jobs run (or NAME=...)
 #   DRY_RUN=1 BUCKET=user/name bash jobs.sh  # print the `hf jobs run` commands, run nothing
-#   BUCKET=user/name bash jobs.sh preflight  # 2 cpu-basic jobs, < 2 min: gateway, headers,
-#                                            # bucket lag
 #
 # Every setting is an environment variable; the values in use are printed at start and listed
 # in docs/settings.md. The run's contract (G, groups per step, staleness, temperature, completion
