@@ -191,7 +191,8 @@ def test_the_pushed_repository_loads_with_peft_and_its_card_names_the_run(hub, t
         evals[-1].write_text(json.dumps({"adapter": adapter, "version": version, "n": 8,
                                          "accuracy": accuracy, "results": []}))
     args = ("--bucket", bucket, "--dataset", "openai/gsm8k", "--reward-funcs",
-            "rewards.py:correct", "fmt", "--reward-weights", "1.0", "0.5", "--eval", evals[0], "--eval", evals[1])
+            "rewards.py:correct", "fmt", "--reward-weights", "1.0", "0.5",
+            "--eval", evals[0], "--eval", evals[1])  # one flag per file, as jobs.sh passes them
     r = push(hub, tmp_path, "me/tiny-grpo", *args, "--private", "--base-model", BASE_ID)
     assert r.returncode == 0, r.stderr
     assert re.search(rf"^pushed to {re.escape(hub.url)}/me/tiny-grpo/commit/[0-9a-f]{{40}}$",
