@@ -2,6 +2,7 @@
 
     python rollout.py --model HuggingFaceTB/SmolLM2-135M-Instruct --bucket /tmp/bucket \
         --proxy http://127.0.0.1:8000 --task arith
+    python rollout.py ... --dataset my_rows.jsonl --reward-funcs my_rewards.py:reward  # your own
     python rollout.py --eval --model /tmp/smollm2 --task arith --engine hf --limit 100  # base
     python rollout.py --eval --model M --bucket B --adapter latest --task gsm8k \
         --data ../shared/data/gsm8k
@@ -15,7 +16,8 @@ The replica's part of a GRPO step, in this file's order (Replica.step runs them,
                   adapters/LATEST, pull + verify + hot-load it, no engine restart (Replica.refresh)
     3. sample     G completions per prompt, with the log-probs of the distribution sampled from
                   (engine.generate: support/engines.py's VLLMEngine or HFEngine)
-    4. score+push a reward per completion (support/tasks.py), the groups POSTed (Replica.batch)
+    4. score+push a reward per completion: the run's reward functions, TRL's convention
+                  (support/rewards.py), the groups POSTed (Replica.batch)
 Then the start (run_replica: the run's settings from GET /config, the engine, adapter v0) and
 main(). Support, not needed to follow a step: the engines (support/engines.py), the flags
 (support/cli.py), --eval (support/evaluate.py). With max_staleness 0 this is synchronous GRPO:
@@ -41,12 +43,13 @@ import uuid
 import sync
 from support.adapter_tags import Untrusted, adapter_key
 from support.buckets import BucketError, CorruptAdapter, open_bucket
-from support.cli import replica_args
+from support.cli import replica_args, task_spec
 from support.contract import CONTRACT_FLAGS, make_completion, make_group
 from support.engines import adapter_rank, make_engine, pick_engine
 from support.evaluate import run_eval
 from support.proxy_client import ProxyClient, ProxyError
-from support.tasks import TaskError, chat_prompt, completion_text, load_task, reward, shard_order
+from support.rewards import RewardFuncError, make_task, templated
+from support.tasks import TaskError, completion_text, shard_order
 
 # Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The
 # driver's way runs cuInit here; vLLM then still forks its EngineCore (it spawns only once
@@ -65,11 +68,12 @@ class Replica:
     """One replica's state between batches: the adapter version in use, the trainer's version,
     the prompt order."""
 
-    def __init__(self, args, engine, bucket, client, cache_dir):
-        self.args, self.engine, self.bucket = args, engine, bucket
+    def __init__(self, args, task, engine, bucket, client, cache_dir):
+        self.args, self.task, self.engine, self.bucket = args, task, engine, bucket
         self.client, self.cache_dir = client, cache_dir
         self.worker = f"replica-{args.replica_id}"
-        self.items = load_task(args.task, "train", args.data)
+        self.items = task.rows("train")  # dataset rows: a "prompt" and the reward's columns
+        self.reward_errors = 0  # groups dropped for a reward function's error (said each time)
         self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = None  # the adapter in the engine: set by run_replica's first refresh()
@@ -143,7 +147,7 @@ class Replica:
         """Steps 3 and 4: generate, score and push n groups with the adapter in use."""
         args, t0 = self.args, time.time()
         idx = [next(self.order) for _ in range(n)]  # this replica's next n prompts
-        self.prompts.update({i: chat_prompt(self.engine.tokenizer, self.items[i]["question"])
+        self.prompts.update({i: templated(self.engine.tokenizer, self.items[i]["prompt"])
                              for i in set(idx) - self.prompts.keys()})
         # engine.generate returns one list per prompt of G Samples (ids, logprobs, text,
         # finish_reason): ids cut at and including the first EOS, each id's log-prob under
@@ -151,22 +155,31 @@ class Replica:
         samples = self.engine.generate([self.prompts[i][1] for i in idx], args.num_generations,
                                        args.max_completion_length, args.temperature)  # n lists of G
         gen_s = time.time() - t0
-        # The group record (GROUP, support/contract.py), naming its item: the trainer recomputes
+        # The group record (GROUP, support/contract.py), naming its row: the trainer recomputes
         # each reward from it and the decoded ids (support/reward_check.py), so they are scored
         # here the same way. All-equal rewards are sent too: the proxy's --zero-variance decides.
         groups, tok = [], self.engine.tokenizer
         for i, group_samples in zip(idx, samples):
             text, ids = self.prompts[i]
+            sampled = [s.ids for s in group_samples]
+            try:  # the reward functions, all G completions in one call each (TRL's convention)
+                rewards, _ = self.task.score(self.items[i], [completion_text(tok, x)
+                                                             for x in sampled], sampled,
+                                             f"train row {i}")
+            except RewardFuncError as e:  # the group is dropped, the run goes on
+                self.reward_errors += 1
+                self.log(f"group dropped ({self.reward_errors} so far): {e}")
+                continue
             completions = [make_completion(ids=s.ids, logprobs=s.logprobs, text=s.text,
-                                           reward=reward(args.task, completion_text(tok, s.ids),
-                                                         self.items[i]),
-                                           finish_reason=s.finish_reason)
-                           for s in group_samples]
+                                           reward=r, finish_reason=s.finish_reason)
+                           for s, r in zip(group_samples, rewards)]
             groups.append(make_group(group_id=uuid.uuid4().hex, policy_version=self.version,
                                      worker=self.worker, prompt=text, prompt_ids=ids,
                                      temperature=args.temperature,
                                      max_completion_length=args.max_completion_length,
                                      completions=completions, item=i))
+        if not groups:
+            return None
         # POSTs of at most groups_per_step groups: what the proxy's body limit is sized for
         k = self.args.post_groups
         replies = [self.client.post_rollouts(groups[i:i + k]) for i in range(0, len(groups), k)]
@@ -222,7 +235,7 @@ def take_contract(args, client):
     print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
 
-def run_replica(args):
+def run_replica(args, task):
     """The start: the run's settings, the engine (while the trainer starts), adapter v0; then
     Replica.step until done."""
     name = f"replica-{args.replica_id}"
@@ -260,7 +273,7 @@ def run_replica(args):
         print(f"[{name}] note: adapter v{first} was trained on --model {base}, this replica "
               f"runs --model {args.model}", flush=True)
     engine = engine or make_engine(args, adapter_rank(path))
-    replica = Replica(args, engine, bucket, client, cache_dir)
+    replica = Replica(args, task, engine, bucket, client, cache_dir)
     try:
         replica.refresh()  # the first load: an adapter trained on another base model fails here
     except (RuntimeError, ValueError) as e:
@@ -292,7 +305,9 @@ def eval_adapter(args):
 def main(argv=None):
     args = replica_args(argv)  # support/cli.py: every flag, with its help
     try:
-        run_eval(args, *eval_adapter(args)) if args.eval else run_replica(args)
+        # the dataset and the reward functions, loaded before anything starts (support/rewards.py)
+        task = make_task(task_spec(args, "arith"), args.data)
+        run_eval(args, task, *eval_adapter(args)) if args.eval else run_replica(args, task)
     except (ProxyError, BucketError, RolloutError, TaskError) as e:
         sys.exit(f"rollout.py: error: {e}")
     except KeyboardInterrupt:

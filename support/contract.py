@@ -17,6 +17,7 @@ MAX_NAME = 256          # characters in a group_id or a worker name
 MAX_COMPLETIONS = 4096  # completions in one group
 MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
+REWARD_LIMIT = 1e6      # the default reward_range is [-this, this]: any reward a function returns
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 
 
@@ -30,7 +31,7 @@ class ConfigError(ValueError):
 # flags; rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
 CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0,
             "max_completion_length": 256, "zero_variance": "keep", "max_prompt_length": 1024,
-            "reward_range": [0.0, 1.0],
+            "reward_range": [-REWARD_LIMIT, REWARD_LIMIT],
             "max_new_tokens": 256}  # max_completion_length's old name, kept equal to it
 OLD_NAMES = {"max_new_tokens": "max_completion_length"}  # still a flag, served, and accepted
 CONTRACT_HELP = {
@@ -43,7 +44,9 @@ CONTRACT_HELP = {
     "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop "
                      "(DAPO)",
     "max_prompt_length": "longest prompt a group may carry, in tokens (TRL's old GRPOConfig name)",
-    "reward_range": "LO HI: every reward lies in [LO, HI] (every task here scores 0 or 1)"}
+    "reward_range": f"LO HI: every reward lies in [LO, HI] (default: any finite number a reward "
+                    f"function returns, as TRL, within +-{REWARD_LIMIT:g} so that the squares in "
+                    "an std stay finite in float32; e.g. 0 1 for rewards that score 0 or 1)"}
 # The settings a role may also be given as flags, only to double-check GET /config (one that
 # disagrees is an error: ProxyClient.contract). Each role takes those it has.
 CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature",
@@ -74,8 +77,8 @@ GROUP = {"group_id": NAME,  # unique: a group_id seen before is a retry
          "completions": (lambda v: type(v) is list and 0 < len(v) <= MAX_COMPLETIONS,
                          f"a list of 1 to {MAX_COMPLETIONS} completions")}  # G of COMPLETION
 # optional fields (a replica of an older version sends none): "item", the index of the prompt's
-# item in the task's train split (support/tasks.py's load_task), so that the trainer can check
-# the prompt and recompute every reward from the task (support/reward_check.py)
+# row in the dataset's train split (support/rewards.py's Task), so that the trainer can check
+# the prompt and recompute every reward with the same functions (support/reward_check.py)
 GROUP_OPTIONAL = {"item": INDEX}
 COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the first EOS
               "logprobs": (lambda v: type(v) is list, "a list of numbers"),  # one per id, sampler's

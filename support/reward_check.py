@@ -1,48 +1,60 @@
-"""The trainer's check of the rewards a replica claims: each completion's reward recomputed from
-the task's item and the completion's ids, as the replica computes it. A credential that makes up
-rewards (all equal, or 1 for a wrong answer) is caught at the first group it sends.
+"""The trainer's check of the rewards a replica claims: each completion's reward recomputed with
+the run's reward functions (support/rewards.py: --task, or --dataset with --reward-funcs, the
+replicas' flags) from the group's row and the completion's ids, as the replica computes it. A
+credential that makes up rewards (all equal, or 1 for a wrong answer) is caught at the first group
+it sends.
 
-    task         prompt check                     reward recomputed from
-    arith, gsm8k prompt_ids = the item's          the decoded ids' last number
-    math         chat-templated question          the decoded ids' last \\boxed{} (math-verify)
-    toy, none    off (a line says so at the start: the toy reward checks nothing worth a lie)
+    checked          the prompt_ids are the templated prompt of the group's row; every reward is
+                     the weighted sum of the functions on the decoded ids (within 1e-6, relative)
+    unverifiable     a function that raises on the group (math-verify past its bound: a
+                     MathTimeout) or misbehaves: the group is dropped as `reward_unverifiable`
+                     and its sender charged like a liar (a replica running the same functions
+                     would not have sent it); that sender's later groups are dropped unchecked,
+                     so one credential costs the check one group's bound in the whole run
+    off              no task given, or a function marked `deterministic = False` (an LLM judge):
+                     a line on stdout says so, the replicas' rewards are trusted
 
-A group names its item (GROUP_OPTIONAL's "item": the index in the task's train split, which
+A group names its row (GROUP_OPTIONAL's "item": the index in the train split, which
 rollout.Replica.batch sets); one without it cannot be checked and is dropped as well. What a
-check costs per step is the step record's `reward_check_s`; measured: docs/hostile-peers.md.
-This module imports no role file.
+check costs per step is the step record's `reward_check_s`; measured: docs/hostile-peers.md and
+docs/math.md. This module imports no role file.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_rewards.py -q -k check
 """
 
 import time
 
-from support.tasks import chat_prompt, completion_text, load_task, reward
-
-VERIFIABLE = ("arith", "gsm8k", "math")  # the tasks whose reward the trainer can recompute
+from support.rewards import RewardFuncError, make_task, templated
+from support.tasks import completion_text
 
 
 class TaskRewards:
-    """The reward check of one run: the task's train items, the tokenizer, each item's prompt ids
-    (tokenized once), and the seconds spent checking (lap)."""
+    """The reward check of one run: the task (rows and functions), the tokenizer, each row's
+    prompt ids (tokenized once), the workers caught with an unverifiable group, and the seconds
+    spent checking (lap). `task`: support/cli.py's task_spec of the trainer's flags, or None."""
 
     def __init__(self, task, data, model):
-        self.task, self.items, self.prompts, self.seconds = task, None, {}, 0.0
-        if task not in VERIFIABLE:
-            print(f"reward check: off (--task {task or 'not given'}: the trainer recomputes the "
-                  f"rewards of {', '.join(VERIFIABLE)} only); the replicas' rewards are trusted")
+        self.task, self.prompts, self.caught, self.seconds = None, {}, set(), 0.0
+        if not task:
+            print("reward check: off (no --task or --dataset given): the replicas' rewards are "
+                  "trusted", flush=True)
+            return
+        task = make_task(task, data)
+        if not task.deterministic:
+            print(f"reward check: off (a reward function of {task.name} is marked "
+                  "deterministic = False): the replicas' rewards are trusted", flush=True)
             return
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.items = load_task(task, "train", data)
-        print(f"reward check: on (--task {task}, {len(self.items)} train items): every "
-              "completion's reward is recomputed from its ids")
+        self.tokenizer, self.task = AutoTokenizer.from_pretrained(model), task
+        names = ", ".join(name for name, _ in task.funcs)
+        print(f"reward check: on ({task.name}, {len(task.rows('train'))} train rows, {names}): "
+              "every completion's reward is recomputed from its ids", flush=True)
 
     def problem(self, g):
-        """(kind, why) when group g's prompt is not its item's or a claimed reward is not the
-        task's; None when it checks out, or the check is off. g passed group_problem."""
-        if self.items is None:
+        """(kind, why) when group g's prompt is not its row's or a claimed reward is not the
+        functions'; None when it checks out, or the check is off. g passed group_problem."""
+        if self.task is None:
             return None
         t0 = time.perf_counter()
         try:
@@ -51,19 +63,28 @@ class TaskRewards:
             self.seconds += time.perf_counter() - t0
 
     def _problem(self, g):
-        i, n = g.get("item"), len(self.items)
+        rows = self.task.rows("train")
+        i, n = g.get("item"), len(rows)
         if type(i) is not int or not 0 <= i < n:
-            return "no_item", (f"item {str(i)[:20]} is not one of the task's {n} train items: a "
+            return "no_item", (f"item {str(i)[:20]} is not one of the task's {n} train rows: a "
                                "replica of this version names its prompt's")
+        if str(g.get("worker")) in self.caught:
+            return "reward_unverifiable", "its sender sent an unverifiable group before"
         if i not in self.prompts:
-            self.prompts[i] = chat_prompt(self.tokenizer, self.items[i]["question"])[1]
+            self.prompts[i] = templated(self.tokenizer, rows[i]["prompt"])[1]
         if g["prompt_ids"] != self.prompts[i]:
-            return "prompt_mismatch", f"prompt_ids are not the prompt of item {i}"
-        for j, c in enumerate(g["completions"]):
-            want = reward(self.task, completion_text(self.tokenizer, c["ids"]), self.items[i])
-            if abs(want - c["reward"]) > 1e-6:
+            return "prompt_mismatch", f"prompt_ids are not the prompt of row {i}"
+        ids = [c["ids"] for c in g["completions"]]
+        texts = [completion_text(self.tokenizer, x) for x in ids]
+        try:
+            want, _ = self.task.score(rows[i], texts, ids, f"train row {i}")
+        except RewardFuncError as e:
+            self.caught.add(str(g.get("worker")))
+            return "reward_unverifiable", str(e)
+        for j, (w, c) in enumerate(zip(want, g["completions"])):
+            if abs(w - c["reward"]) > 1e-6 * max(1.0, abs(w)):
                 return "reward_mismatch", (f"completion {j} claims reward {c['reward']:g}; its "
-                                           f"ids score {want:g} on item {i}")
+                                           f"ids score {w:g} on row {i}")
         return None
 
     def lap(self):

@@ -1,12 +1,18 @@
-"""The tasks a replica trains on and their rewards: prompts from a split, a score per completion.
+"""The built-in tasks, written as anyone's own task is: rows with a "prompt" (here a chat
+message) and an "answer" column, and reward functions in TRL's convention (support/rewards.py):
+f(completions, answer, **kwargs) -> one float per completion. Read them as examples; a new task
+needs no edit here: `--dataset data.jsonl --reward-funcs my_rewards.py:reward` (README, "Your own
+task").
 
-    task    prompts                                                      reward
-    arith   "What is A + B?" (A, B in 0..50); held-out pairs by a hash    the last number
-    gsm8k   grade-school math (local JSONL or the hub's openai/gsm8k)    the last number
-    math    MATH (local JSONL or the hub's MATH-lighteval), \\boxed{}    math-verify
-    toy     "Say a digit." for the tiny test model                       a "7" anywhere
+    --task  rows (load_task)                                       reward function (BUILTIN)
+    arith   "What is A + B?" (A, B in 0..50); held-out pairs by a hash    number_reward
+    gsm8k   grade-school math (local JSONL or the hub's openai/gsm8k)    number_reward
+    math    MATH (local JSONL or the hub's MATH-lighteval), \\boxed{}    boxed_math_reward
+    toy     "Say a digit." for the tiny test model                       seven_reward
 
-rollout.py imports load_task, reward and shard_order from here; the tests import the rest.
+MATH's check costs bounded time (docs/math.md): answers too long or with exponent towers are
+scored 0 before math-verify; math-verify runs in a child process with a short timeout, and a
+group whose answers take longer is unverifiable (MathTimeout: the group is dropped).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_rewards.py -q
 """
@@ -23,6 +29,9 @@ import select
 import subprocess
 import sys
 import threading
+import time
+
+from support.task_data import load_splits
 
 
 class TaskError(Exception):
@@ -37,10 +46,26 @@ def last_number(text):
     return float(found[-1].replace(",", "")) if found else None
 
 
-def number_reward(completion, reference):
-    """1.0 when the last number of the completion equals the reference number, else 0.0."""
-    got = last_number(completion)
-    return float(got is not None and abs(got - float(str(reference).replace(",", ""))) < 1e-6)
+def same_number(text, reference):
+    """True when the last number of `text` equals the reference number (commas dropped)."""
+    got = last_number(text)
+    return got is not None and abs(got - float(str(reference).replace(",", ""))) < 1e-6
+
+
+def content(completion):
+    """A completion's text: TRL passes a string for a plain prompt, a list of messages for a
+    conversational one (then the last message's content)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def number_reward(completions, answer, **kwargs):
+    """arith, gsm8k: 1.0 when the completion's last number is the answer, else 0.0."""
+    return [float(same_number(content(c), a)) for c, a in zip(completions, answer)]
+
+
+def seven_reward(completions, **kwargs):
+    """toy (the tiny test model): 1.0 for a "7" anywhere."""
+    return [float("7" in content(c)) for c in completions]
 
 
 def gsm8k_reference(answer):
@@ -64,24 +89,63 @@ def last_boxed(text):
     return None
 
 
-def math_reward(completion, reference):
-    r"""1.0 when the last \boxed{} of the completion is the reference as mathematics (\frac12 = 0.5
-    = \dfrac{1}{2}, 5\text{ cm} = 5, intervals, sets, expressions), by Hugging Face's math-verify
-    (the checker of TRL's accuracy_reward); 0.0 for anything else, never an exception."""
-    answer = last_boxed(completion)
-    return MATH_SCORER(answer, reference) if answer and answer.strip() else 0.0
+MAX_ANSWER_CHARS = 200  # a boxed answer longer than this is not checked: 0.0
+MATH_TIMEOUT_S = 3.0  # the most one answer may take in math-verify's process
+MATH_GROUP_BUDGET_S = 4.0  # the most one call (one group's answers) may take in all
+TOWER = re.compile(r"\^\s*\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\^|\^\s*\w\s*\^")  # 9^{9^{9}}, 9^9^9
+BIG_EXPONENT = re.compile(r"\^\s*\{?\s*-?\d{4,}")  # 9^{999999999}: ^ and 4 digits or more
+BIG_FACTORIAL = re.compile(r"\d{3,}\s*!")  # 1000000!
+
+
+class MathTimeout(Exception):
+    """math-verify took longer than the bound: the answer can be neither right nor wrong."""
+
+
+def costly_answer(answer):
+    """Why a boxed answer would cost math-verify seconds (None when it would not): too long, a
+    power in an exponent, an exponent of 4 digits or more, a factorial of 3 digits or more.
+    Measured: 9^{9^{9}}, 9^{999999999} and 1000000! each time out at 5 s; 10^{10000} costs
+    0.7 s (docs/math.md)."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return f"{len(answer)} characters (> {MAX_ANSWER_CHARS})"
+    for pattern, what in ((TOWER, "a power in an exponent"), (BIG_EXPONENT, "an exponent of 4+ "
+                          "digits"), (BIG_FACTORIAL, "a factorial of 3+ digits")):
+        if pattern.search(answer):
+            return what
+    return None
+
+
+def boxed_math_reward(completions, answer, **kwargs):
+    r"""math: 1.0 when the completion's last \boxed{} is the answer as mathematics (\frac12 = 0.5
+    = \dfrac{1}{2}, 5\text{ cm} = 5, intervals, sets, expressions) by Hugging Face's math-verify
+    (the checker of TRL's accuracy_reward); 0.0 for no box or a costly one (costly_answer).
+    Raises MathTimeout when math-verify takes longer than MATH_TIMEOUT_S on one answer or the
+    group's answers MATH_GROUP_BUDGET_S in all: the group is unverifiable."""
+    deadline, scores = time.monotonic() + MATH_GROUP_BUDGET_S, []
+    for c, reference in zip(completions, answer):
+        boxed = last_boxed(content(c))
+        if not boxed or not boxed.strip() or costly_answer(boxed):
+            scores.append(0.0)
+            continue
+        left = min(MATH_TIMEOUT_S, deadline - time.monotonic())
+        scores.append(MATH_SCORER(boxed, reference, left) if left > 0 else None)
+        if scores[-1] is None:
+            raise MathTimeout(f"math-verify took over {MATH_TIMEOUT_S:g} s on one answer, or "
+                              f"{MATH_GROUP_BUDGET_S:g} s on the group's: {boxed[:60]!r}")
+    return scores
 
 
 class MathScorer:
     """math-verify in a child process. Its timeouts use signal.alarm, which works only in a main
     thread (TRL turns them off in other threads) and cannot stop C code. Here they run in the
-    child's main thread (5 s per parse and per comparison), and a child that takes longer than
-    `timeout_s` or dies is killed and replaced (that answer: 0.0). Any thread may call it."""
+    child's main thread (1 s per parse and per comparison: a timeout there answers None), and a
+    child that takes longer than the caller's `timeout_s` or dies is killed and replaced (that
+    answer: None). Any thread may call it. Returns 1.0, 0.0, or None (unverifiable)."""
 
-    def __init__(self, timeout_s=30.0):
-        self.timeout_s, self.proc, self.lock = timeout_s, None, threading.Lock()
+    def __init__(self):
+        self.proc, self.lock = None, threading.Lock()
 
-    def __call__(self, answer, reference):
+    def __call__(self, answer, reference, timeout_s=MATH_TIMEOUT_S):
         with self.lock:
             if self.proc is not None and self.proc.poll() is not None:  # died since (memory?)
                 self.close()
@@ -90,12 +154,12 @@ class MathScorer:
             try:
                 self.proc.stdin.write(json.dumps([answer, reference]) + "\n")  # ASCII: one line
                 self.proc.stdin.flush()
-                if line := self.read(self.timeout_s):  # "": the child died
-                    return float(line)
+                if line := self.read(timeout_s):  # "": the child died
+                    return None if line == "timeout" else float(line)
             except (OSError, ValueError):  # a broken pipe (it died) or a garbled line
                 pass
             self.close()
-            return 0.0
+            return None
 
     def close(self):
         """Stop the child (a later call starts a new one)."""
@@ -125,36 +189,39 @@ class MathScorer:
 
 
 def math_verify_loop():
-    """The MathScorer child: a JSON [answer, reference] per line in, "1.0" or "0.0" out."""
+    """The MathScorer child: a JSON [answer, reference] per line in, "1.0", "0.0" or "timeout"
+    out (math-verify logs each of its timeouts as a warning, then answers False)."""
     import logging
 
     from math_verify import LatexExtractionConfig, parse, verify
 
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a timeout is a 0.0, not a warning
+    timeouts = []  # math-verify's warnings since the last answer: "Timeout during ..."
+    log = logging.getLogger("math_verify")
+    log.setLevel(logging.WARNING)
+    log.propagate = False  # said here, not on stderr
+    log.addHandler(type("Timeouts", (logging.Handler,), {
+        "emit": lambda self, r: timeouts.append(r) if "Timeout" in r.getMessage() else None})())
 
     @functools.lru_cache(maxsize=4096)  # each reference is parsed once
     def boxed(latex):
-        return parse(f"\\boxed{{{latex}}}", [LatexExtractionConfig()])
+        return parse(f"\\boxed{{{latex}}}", [LatexExtractionConfig()], parsing_timeout=1)
 
     print("ready", flush=True)
     for line in sys.stdin:
         answer, reference = json.loads(line)
+        timeouts.clear()
         try:  # the reference first: verify is not symmetric
-            ok = float(verify(boxed(reference), boxed(answer)))
+            ok = float(verify(boxed(reference), boxed(answer), timeout_seconds=1))
         except Exception:  # math-verify catches its own errors; anything else: a wrong answer
             ok = 0.0
-        print(ok, flush=True)
+        print("timeout" if timeouts else ok, flush=True)
 
 
 MATH_SCORER = MathScorer()
 
-
-def reward(task, completion, item):
-    """arith, gsm8k: the last number is the answer; math: the last \\boxed{} (math_reward); toy (the
-    tiny test model): a "7" anywhere."""
-    if task == "math":
-        return math_reward(completion, item["answer"])
-    return float("7" in completion) if task == "toy" else number_reward(completion, item["answer"])
+# --task NAME: its rows (load_task) and its reward function
+BUILTIN = {"arith": number_reward, "gsm8k": number_reward, "math": boxed_math_reward,
+           "toy": seven_reward}
 
 
 ARITH_MAX = 50        # "What is A + B?" for 0 <= A, B <= ARITH_MAX: 2601 pairs
@@ -169,23 +236,27 @@ def arith_is_test(a, b):
 
 
 def load_task(task, split, data=None):
-    """The items of a task split: [{"question": user message, "answer": reference}]. gsm8k and math
-    come from a local JSONL file (or a folder holding train.jsonl / test.jsonl), else the hub."""
+    """The rows of a built-in task's split: [{"prompt": [one user message], "answer": reference}].
+    gsm8k and math come from --data (a folder holding train.jsonl and test.jsonl, or one JSONL
+    file, split as any dataset without a test split is: support/task_data.py), else the hub."""
     if task == "toy":
-        return [{"question": "Say a digit.", "answer": "7"}]
+        return [user("Say a digit.", "7")]
     if task == "arith":
         pairs = [(a, b) for a in range(ARITH_MAX + 1) for b in range(ARITH_MAX + 1)
                  if arith_is_test(a, b) == (split == "test")]
         # a fixed order (not --seed), so --limit picks the same problems
         random.Random(0).shuffle(pairs)
-        return [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
-    if task not in ("gsm8k", "math"):
-        raise ValueError(f"unknown task {task!r}: use gsm8k, math, arith or toy")
+        return [user(f"What is {a} + {b}?", str(a + b)) for a, b in pairs]
+    if task not in BUILTIN:
+        raise TaskError(f"unknown task {task!r}: use {', '.join(BUILTIN)}, or --dataset with "
+                        "--reward-funcs for your own")
     if task == "math" and importlib.util.find_spec("math_verify") is None:
         raise TaskError("--task math needs math-verify: pip install -r requirements.txt")
-    if data:
-        with open(os.path.join(data, f"{split}.jsonl") if os.path.isdir(data) else data) as f:
+    if data and os.path.isdir(data):
+        with open(os.path.join(data, f"{split}.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
+    elif data:  # one file: never both splits (its test rows held out by the stated rule)
+        rows = split_file(data)[split]
     elif task == "gsm8k":
         import datasets
 
@@ -198,22 +269,32 @@ def load_task(task, split, data=None):
         return [math_item(r, f"{data or 'MATH'} ({split}) row {i + 1}") for i, r in enumerate(rows)]
     instruction = ("\nThink step by step, then end your reply with the final answer as a plain "
                    "number.")
-    return [{"question": r["question"] + instruction, "answer": gsm8k_reference(r["answer"])}
-            for r in rows]
+    return [user(r["question"] + instruction, gsm8k_reference(r["answer"])) for r in rows]
+
+
+@functools.lru_cache(maxsize=4)
+def split_file(path):
+    """A one-file --data's train and test rows (loaded and split once per process)."""
+    return load_splits(path, check=False)
+
+
+def user(question, answer):
+    """A row in TRL's conversational form: the question as the user's message."""
+    return {"prompt": [{"role": "user", "content": question}], "answer": answer}
 
 
 def math_item(row, where):
     r"""A MATH row as an item: its short "answer" (MATH-500, PRM800K) else the last \boxed{} of its
     worked "solution" (the MATH release). The prompt ends in Qwen2.5-Math's instruction."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: a MATH row is a JSON object, not {type(row).__name__}")
+        raise TaskError(f"{where}: a MATH row is a JSON object, not {type(row).__name__}")
     answer = row.get("answer")
     answer = str(answer) if answer not in (None, "") else last_boxed(str(row.get("solution") or ""))
     if not answer or "problem" not in row:
-        raise ValueError(f"{where}: a MATH row needs a \"problem\" and an \"answer\", or a "
+        raise TaskError(f"{where}: a MATH row needs a \"problem\" and an \"answer\", or a "
                          f"\"solution\" with a \\boxed{{}} answer; this one has {sorted(row)[:8]}")
-    return {"question": row["problem"] + "\nPlease reason step by step, and put your final answer "
-            "within \\boxed{}.", "answer": answer}
+    return user(row["problem"] + "\nPlease reason step by step, and put your final answer "
+                "within \\boxed{}.", answer)
 
 
 def shard_order(n_items, seed, replica_id, num_replicas):
@@ -225,16 +306,6 @@ def shard_order(n_items, seed, replica_id, num_replicas):
     while True:
         rng.shuffle(mine)
         yield from mine
-
-
-def chat_prompt(tokenizer, question):
-    """The chat-templated prompt text and its token ids (what the engine is fed)."""
-    if not tokenizer.chat_template:  # a base model: the question as is
-        text = question
-    else:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                             add_generation_prompt=True, tokenize=False)
-    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def completion_text(tokenizer, ids):

@@ -21,7 +21,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUF
 SETTINGS = {"num_generations": 4, "groups_per_step": 2, "max_staleness": 1, "temperature": 0.7,
             "max_completion_length": 5, "zero_variance": "keep"}
 # /config: defaults for the rest, and the length under its old name too
-SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [0.0, 1.0], "max_new_tokens": 5}
+SERVED = {**SETTINGS, "max_prompt_length": 1024, "reward_range": [-1e6, 1e6], "max_new_tokens": 5}
 
 
 def flags(settings):

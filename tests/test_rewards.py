@@ -18,11 +18,20 @@ import time
 
 import pytest
 
-from support import engines, tasks
+from support import engines, rewards, tasks
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SAMPLE = os.path.join(DATA, "gsm8k_sample.jsonl")
 MATH_SAMPLE = os.path.join(DATA, "math_sample.jsonl")
+
+
+def number_reward(completion, reference):
+    """The built-in reward on one completion (TRL's convention: lists in, a list out)."""
+    return tasks.number_reward([completion], [reference])[0]
+
+
+def math_reward(completion, reference):
+    return tasks.boxed_math_reward([completion], [reference])[0]
 
 
 def gsm8k_rows():
@@ -36,18 +45,18 @@ def test_gsm8k_reference_answers_score_themselves():
     for row in rows:
         ref = tasks.gsm8k_reference(row["answer"])
         # the worked solution ends in "#### N": its last number is N itself
-        assert tasks.number_reward(row["answer"], ref) == 1.0, row["answer"][-40:]
+        assert number_reward(row["answer"], ref) == 1.0, row["answer"][-40:]
         # and a solution that ends one off is wrong
-        assert tasks.number_reward(f"so it is {tasks.last_number(ref) + 1}", ref) == 0.0
+        assert number_reward(f"so it is {tasks.last_number(ref) + 1}", ref) == 0.0
 
 
 def test_gsm8k_references_with_commas_and_signs():
     refs = {tasks.gsm8k_reference(r["answer"]) for r in gsm8k_rows()}
     assert {"18", "2,125", "114,200", "1,080", "-7"} <= refs
-    assert tasks.number_reward("That makes 2125 in total.", "2,125") == 1.0
-    assert tasks.number_reward("That makes 2,125 in total.", "2,125") == 1.0
-    assert tasks.number_reward("She lost 7, so the change is -7.", "-7") == 1.0
-    assert tasks.number_reward("She lost 7.", "-7") == 0.0
+    assert number_reward("That makes 2125 in total.", "2,125") == 1.0
+    assert number_reward("That makes 2,125 in total.", "2,125") == 1.0
+    assert number_reward("She lost 7, so the change is -7.", "-7") == 1.0
+    assert number_reward("She lost 7.", "-7") == 0.0
 
 
 @pytest.mark.parametrize("completion, reference, expected", [
@@ -64,7 +73,7 @@ def test_gsm8k_references_with_commas_and_signs():
     ("1.5 hours", "1.5", 1.0),
 ])
 def test_number_reward_tricky_completions(completion, reference, expected):
-    assert tasks.number_reward(completion, reference) == expected
+    assert number_reward(completion, reference) == expected
 
 
 def test_last_number():
@@ -74,41 +83,53 @@ def test_last_number():
 
 
 def test_toy_reward():
-    assert tasks.reward("toy", "7", None) == 1.0
-    assert tasks.reward("toy", "x7y", None) == 1.0
-    assert tasks.reward("toy", "1234568", None) == 0.0
-    assert tasks.reward("toy", "77", {"answer": "7"}) == 1.0
+    assert tasks.seven_reward(["7", "x7y", "1234568", "77"]) == [1.0, 1.0, 0.0, 1.0]
+    # a conversational prompt's completions are messages: the same scores
+    assert tasks.seven_reward([[{"role": "assistant", "content": "x7"}]]) == [1.0]
+
+
+def question(row):
+    return row["prompt"][0]["content"]
 
 
 def test_gsm8k_items_from_a_local_file_and_folder(tmp_path):
-    items = tasks.load_task("gsm8k", "test", SAMPLE)
-    assert len(items) == len(gsm8k_rows())
-    assert items[0]["answer"] == "18" and items[0]["question"].startswith("Janet")
     (tmp_path / "test.jsonl").write_text("".join(open(SAMPLE).readlines()[:3]))
-    assert len(tasks.load_task("gsm8k", "test", str(tmp_path))) == 3
+    items = tasks.load_task("gsm8k", "test", str(tmp_path))
+    assert len(items) == 3 and items[0]["answer"] == "18" and question(items[0]).startswith("Janet")
+    assert items[0]["prompt"][0]["role"] == "user"
+
+
+def test_one_data_file_is_split_not_read_twice():
+    """Issue 51: --data as one file was read for both splits, so the held-out score was on
+    training rows. Now its test rows are held out by the stated rule (test_split_size of it, seed
+    0), never trained on, the same in every process."""
+    train, test = tasks.load_task("gsm8k", "train", SAMPLE), tasks.load_task("gsm8k", "test", SAMPLE)
+    assert len(train) + len(test) == len(gsm8k_rows()) and len(test) >= 1
+    assert not {question(r) for r in train} & {question(r) for r in test}
+    tasks.split_file.cache_clear()
+    assert tasks.load_task("gsm8k", "test", SAMPLE) == test  # deterministic
 
 
 def test_arith_test_split_is_held_out():
     train, test = tasks.load_task("arith", "train"), tasks.load_task("arith", "test")
     assert len(train) + len(test) == (tasks.ARITH_MAX + 1) ** 2 == 51 * 51
     assert len(test) == 411  # one pair in six: a standard error of at most 2.5 points
-    train_q, test_q = {i["question"] for i in train}, {i["question"] for i in test}
+    train_q, test_q = {question(i) for i in train}, {question(i) for i in test}
     assert not train_q & test_q
     for item in test:
-        a, b = map(int, item["question"][len("What is "):-1].split(" + "))
+        a, b = map(int, question(item)[len("What is "):-1].split(" + "))
         assert tasks.arith_is_test(a, b) and int(item["answer"]) == a + b
     # unseen pairs, not unseen answers: the held-out sums end in any digit, as the training sums do
     assert {int(i["answer"]) % 10 for i in test} == {int(i["answer"]) % 10 for i in train} == set(range(10))
     assert sum(int(i["answer"]) % 5 == 0 for i in test) < len(test) / 2
     # the order is fixed, whatever the seed: --limit always picks the same problems
-    assert [i["question"] for i in tasks.load_task("arith", "test")] == [i["question"] for i in test]
+    assert [question(i) for i in tasks.load_task("arith", "test")] == [question(i) for i in test]
 
 
 def test_arith_reward():
-    item = {"question": "What is 12 + 9?", "answer": "21"}
-    assert tasks.reward("arith", "12 + 9 = 21", item) == 1.0
-    assert tasks.reward("arith", "The sum of 12 and 9 is 21.", item) == 1.0
-    assert tasks.reward("arith", "12 + 9", item) == 0.0
+    assert tasks.BUILTIN["arith"] is tasks.number_reward
+    assert tasks.number_reward(["12 + 9 = 21", "The sum of 12 and 9 is 21.", "12 + 9"],
+                               ["21"] * 3) == [1.0, 1.0, 0.0]
 
 
 def test_sharding_differs_per_replica():
@@ -139,10 +160,10 @@ def test_math_sample_solutions_score_themselves():
     assert len(rows) >= 50 and {"problem", "solution", "answer"} <= set(rows[0])
     for row in rows:
         # the worked solution's last \boxed{} is the short answer, as mathematics
-        assert tasks.math_reward(row["solution"], row["answer"]) == 1.0, row["answer"]
-        assert tasks.math_reward(f"So it is $\\boxed{{{row['answer']}}}$.", row["answer"]) == 1.0
+        assert math_reward(row["solution"], row["answer"]) == 1.0, row["answer"]
+        assert math_reward(f"So it is $\\boxed{{{row['answer']}}}$.", row["answer"]) == 1.0
         # and a box with another number is wrong, for every one of them
-        assert tasks.math_reward(r"It is \boxed{12345}.", row["answer"]) == 0.0, row["answer"]
+        assert math_reward(r"It is \boxed{12345}.", row["answer"]) == 0.0, row["answer"]
 
 
 @pytest.mark.parametrize("completion, reference, expected", [
@@ -175,7 +196,7 @@ def test_math_sample_solutions_score_themselves():
     (r"It is \boxed{2}. No wait: \boxed{3}", "2", 0.0),
 ])
 def test_math_reward_equivalent_answers(completion, reference, expected):
-    assert tasks.math_reward(completion, reference) == expected
+    assert math_reward(completion, reference) == expected
 
 
 @pytest.mark.parametrize("completion", [
@@ -187,8 +208,8 @@ def test_math_reward_equivalent_answers(completion, reference, expected):
 ])
 def test_math_reward_malformed_output_is_zero(completion):
     t0 = time.time()
-    assert tasks.math_reward(completion, "2") == 0.0
-    assert time.time() - t0 < tasks.MATH_SCORER.timeout_s + 5
+    assert math_reward(completion, "2") == 0.0
+    assert time.time() - t0 < tasks.MATH_GROUP_BUDGET_S + 2
 
 
 def test_last_boxed():
@@ -205,7 +226,7 @@ def test_math_reward_in_threads():
     got = {}
 
     def score(i, completion, reference):
-        got[i] = tasks.math_reward(completion, reference)
+        got[i] = math_reward(completion, reference)
 
     threads = [threading.Thread(target=score, args=(i, *c[:2])) for i, c in enumerate(cases)]
     for t in threads:
@@ -216,14 +237,15 @@ def test_math_reward_in_threads():
 
 
 def test_math_scorer_kills_a_stuck_check():
-    """An answer math-verify takes seconds on (a power tower) gets 0.0 after the scorer's limit,
-    not after math-verify's own 5 s; the next answer is scored by a fresh process."""
-    scorer = tasks.MathScorer(timeout_s=1.0)
+    """An answer math-verify takes seconds on (a power tower) is None (unverifiable) after the
+    caller's limit, not after math-verify's own timeouts; the next answer is scored by a fresh
+    process."""
+    scorer = tasks.MathScorer()
     assert scorer(r"\frac12", "0.5") == 1.0  # started
     first = scorer.proc.pid
     t0 = time.time()
-    assert scorer(r"9^{9^{9^{9}}}", "2") == 0.0
-    assert time.time() - t0 < 3.0
+    assert scorer(r"9^{9^{9^{9}}}", "2", timeout_s=0.5) is None
+    assert time.time() - t0 < 2.0
     assert scorer("2", "2") == 1.0 and scorer.proc.pid != first
     scorer.proc.kill()  # died between calls: replaced before the next answer
     scorer.proc.wait()
@@ -231,24 +253,65 @@ def test_math_scorer_kills_a_stuck_check():
     scorer.close()
 
 
+@pytest.mark.parametrize("answer, why", [
+    ("9^{9^{9}}", "a power in an exponent"), ("9^9^9", "a power in an exponent"),
+    ("2^{2^{2^{2^{2}}}}", "a power in an exponent"), ("9^{999999999}", "an exponent of 4+"),
+    ("10^{10000}", "an exponent of 4+"), ("1000000!", "a factorial of 3+"),
+    ("1" * 201, "201 characters"),
+])
+def test_costly_math_answers_are_refused_before_math_verify(answer, why):
+    """Issue 48, case 2: answers built to cost math-verify seconds (9^{9^{9}} took its 5 s
+    timeout in every check) score 0 at once: the replica's reward and the trainer's recomputed
+    one agree, so an honest claim of 0 passes in milliseconds and nobody waits."""
+    assert why in tasks.costly_answer(answer)
+    t0 = time.time()
+    assert math_reward(f"so \\boxed{{{answer}}}", "3") == 0.0
+    assert time.time() - t0 < 0.5
+
+
+@pytest.mark.parametrize("answer", ["x^{2}+y^{2}", "10^{-6}", "2^{10}", "e^{i\\pi}", "5!",
+                                    "90^\\circ", "\\frac{1}{2}"])
+def test_ordinary_math_answers_are_not_refused(answer):
+    assert tasks.costly_answer(answer) is None
+
+
+def test_a_math_group_past_its_bound_is_unverifiable(monkeypatch):
+    """Past MATH_TIMEOUT_S on an answer, or MATH_GROUP_BUDGET_S on a group's, the reward function
+    raises MathTimeout: neither right nor wrong, the group is dropped (the trainer charges its
+    sender: test_the_math_check_costs_bounded_time_per_step)."""
+    math_reward(r"\boxed{1}", "1")  # math-verify's process started
+    monkeypatch.setattr(tasks, "MATH_TIMEOUT_S", 0.0001)  # an answer math-verify has not seen
+    t0 = time.time()
+    with pytest.raises(tasks.MathTimeout, match="math-verify took over"):
+        tasks.boxed_math_reward([r"\boxed{\frac{1234}{4567} + \sqrt{7}}"] * 8, ["4"] * 8)
+    assert time.time() - t0 < 1.0
+    monkeypatch.setattr(tasks, "MATH_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(tasks, "MATH_GROUP_BUDGET_S", 0.0)
+    with pytest.raises(tasks.MathTimeout):
+        tasks.boxed_math_reward([r"\boxed{2}"], ["2"])
+
+
 def test_math_items_from_a_file_a_folder_and_solutions_only(tmp_path):
-    items = tasks.load_task("math", "test", MATH_SAMPLE)
     rows = math_rows()
-    assert [i["answer"] for i in items] == [r["answer"] for r in rows]
-    assert items[2]["question"].startswith(rows[2]["problem"])
-    assert items[2]["question"].endswith(r"put your final answer within \boxed{}.")
     with open(MATH_SAMPLE) as f:
         (tmp_path / "train.jsonl").write_text("".join(f.readlines()[:3]))
-    assert len(tasks.load_task("math", "train", str(tmp_path))) == 3
+    items = tasks.load_task("math", "train", str(tmp_path))
+    assert [i["answer"] for i in items] == [r["answer"] for r in rows[:3]]
+    assert question(items[2]).startswith(rows[2]["problem"])
+    assert question(items[2]).endswith(r"put your final answer within \boxed{}.")
     # the MATH release (and the hub copy) has no short answer: the solution's last \boxed{} is it
     lighteval = tmp_path / "lighteval.jsonl"
     lighteval.write_text("".join(json.dumps({"problem": r["problem"], "level": r["level"],
                                              "type": r["subject"], "solution": r["solution"]})
                                  + "\n" for r in rows))
-    assert [i["answer"] for i in tasks.load_task("math", "test", str(lighteval))] == \
-        [tasks.last_boxed(r["solution"]) for r in rows]
-    assert all(tasks.math_reward(r["solution"], i["answer"]) == 1.0
-               for r, i in zip(rows, tasks.load_task("math", "test", str(lighteval))))
+    items = (tasks.load_task("math", "train", str(lighteval))
+             + tasks.load_task("math", "test", str(lighteval)))  # one file: both splits
+    by_problem = {r["problem"]: r for r in rows}
+    for i in items:
+        row = by_problem[question(i).split("\nPlease reason")[0]]
+        assert i["answer"] == tasks.last_boxed(row["solution"])
+        assert math_reward(row["solution"], i["answer"]) == 1.0
+    assert len(items) == len(rows)
 
 
 @pytest.mark.parametrize("line, says", [
@@ -259,8 +322,9 @@ def test_math_items_from_a_file_a_folder_and_solutions_only(tmp_path):
 def test_math_rows_without_an_answer_are_named(tmp_path, line, says):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"problem": "2+2?", "answer": "4"}\n' + line + "\n")
-    with pytest.raises(ValueError, match=says):
-        tasks.load_task("math", "test", str(path))
+    (tmp_path / "test.jsonl").write_text(path.read_text())
+    with pytest.raises(tasks.TaskError, match=says):
+        tasks.load_task("math", "test", str(tmp_path))
 
 
 def test_cli_eval_math(tiny_model, tmp_path):
@@ -278,25 +342,30 @@ def test_cli_eval_math(tiny_model, tmp_path):
     with open(out) as f:
         result = json.load(f)
     assert result["task"] == "math" and result["n"] == 4
-    assert [x["answer"] for x in result["results"]] == [r["answer"] for r in math_rows()[:4]]
+    test = tasks.load_task("math", "test", MATH_SAMPLE)  # one file: its held-out rows
+    assert [x["answer"] for x in result["results"]] == [r["answer"] for r in test[:4]]
     assert [x["correct"] for x in result["results"]] == \
-        [tasks.math_reward(x["completion"], x["answer"]) for x in result["results"]]
+        [math_reward(x["completion"], x["answer"]) for x in result["results"]]
 
 
-# ---- the trainer's reward check (support/reward_check.py): issue 39, item 1
+# ---- the trainer's reward check (support/reward_check.py): issue 39, item 1; issue 48, case 2
 
-def checked_group(tokenizer, items, i, texts, rewards=None, task="arith"):
-    """A group as rollout.Replica.batch makes it for item i: the item's chat prompt, one
-    completion per text (its ids, EOS at the end), each scored as the replica scores it."""
-    _, prompt_ids = tasks.chat_prompt(tokenizer, items[i]["question"])
-    comps = []
-    for j, text in enumerate(texts):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        score = tasks.reward(task, tasks.completion_text(tokenizer, ids), items[i])
-        comps.append({"ids": ids, "logprobs": [-1.0] * len(ids), "text": text,
-                      "finish_reason": "stop", "reward": score if rewards is None else rewards[j]})
-    return {"group_id": f"g{i}", "worker": "w", "policy_version": 0, "prompt": "",
+def checked_group(tokenizer, task, i, texts, rewards=None, worker="w"):
+    """A group as rollout.Replica.batch makes it for train row i: the row's templated prompt, one
+    completion per text (its ids, EOS at the end), each scored by the task's functions."""
+    row = task.rows("train")[i]
+    _, prompt_ids = rewards_templated(tokenizer, row["prompt"])
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+           for t in texts]
+    if rewards is None:
+        rewards = task.score(row, [tasks.completion_text(tokenizer, x) for x in ids], ids, "")[0]
+    comps = [{"ids": x, "logprobs": [-1.0] * len(x), "text": t, "finish_reason": "stop",
+              "reward": r} for x, t, r in zip(ids, texts, rewards)]
+    return {"group_id": f"g{i}", "worker": worker, "policy_version": 0, "prompt": "",
             "prompt_ids": prompt_ids, "completions": comps, "item": i}
+
+
+rewards_templated = rewards.templated
 
 
 def test_the_reward_check_recomputes_each_reward_and_names_a_lie(tiny_model, capsys):
@@ -304,22 +373,58 @@ def test_the_reward_check_recomputes_each_reward_and_names_a_lie(tiny_model, cap
 
     from support.reward_check import TaskRewards
 
-    check = TaskRewards("arith", None, tiny_model)
-    assert "reward check: on (--task arith, 2190 train items)" in capsys.readouterr().out
-    tok, items = AutoTokenizer.from_pretrained(tiny_model), check.items
+    check = TaskRewards({"task": "arith"}, None, tiny_model)
+    assert "reward check: on (arith, 2190 train rows, number_reward)" in capsys.readouterr().out
+    tok, items = AutoTokenizer.from_pretrained(tiny_model), check.task.rows("train")
     right = f"The answer is {items[3]['answer']}."
-    honest = checked_group(tok, items, 3, [right, "I think 7.", right, "no idea"])
+    honest = checked_group(tok, check.task, 3, [right, "I think 7.", right, "no idea"])
     assert [c["reward"] for c in honest["completions"]] == [1.0, 0.0, 1.0, 0.0]
     assert check.problem(honest) is None
-    lie = checked_group(tok, items, 3, [right, "I think 7.", right, "no idea"], [1, 1, 1, 1])
+    lie = checked_group(tok, check.task, 3, [right, "I think 7.", right, "no idea"], [1, 1, 1, 1])
     assert check.problem(lie) == ("reward_mismatch", "completion 1 claims reward 1; its ids score "
-                                                     "0 on item 3")
-    other = dict(honest, item=4)  # another item's prompt under this one's answer
+                                                     "0 on row 3")
+    other = dict(honest, item=4)  # another row's prompt under this one's answer
     assert check.problem(other)[0] == "prompt_mismatch"
     for item in (None, -1, len(items), "3", 2.0):
         g = dict(honest, item=item) if item is not None else {
             k: v for k, v in honest.items() if k != "item"}
         assert check.problem(g)[0] == "no_item", item
     assert 0 < check.lap() < 1 and check.lap() == 0.0
-    off = TaskRewards("toy", None, tiny_model)
-    assert off.problem(lie) is None and "reward check: off (--task toy" in capsys.readouterr().out
+    off = TaskRewards(None, None, tiny_model)
+    assert off.problem(lie) is None and "reward check: off (no --task" in capsys.readouterr().out
+    toy = TaskRewards({"task": "toy"}, None, tiny_model)  # any task's functions are checked now
+    assert "reward check: on (toy" in capsys.readouterr().out
+    assert toy.problem(checked_group(tok, toy.task, 0, ["7", "8"], [0.0, 0.0]))[0] == \
+        "reward_mismatch"
+
+
+def test_the_math_check_costs_bounded_time_per_step(tiny_model, monkeypatch):
+    """Issue 48, case 2: completions that decode to \\boxed{9^{9^{9}}} with a claimed reward of 0
+    took math-verify's 5 s each in the trainer's check (20-30 s a step for 4 groups of 2). Now
+    they score 0 before math-verify: 4 groups of 8 check in well under a second. A group whose
+    check passes the bound anyway (MATH_GROUP_BUDGET_S made 0 here) is unverifiable: dropped, its
+    sender charged, and that sender's later groups dropped unchecked, so one credential costs at
+    most one group's bound (MATH_GROUP_BUDGET_S) in a whole run."""
+    from transformers import AutoTokenizer
+
+    from support.reward_check import TaskRewards
+
+    check = TaskRewards({"task": "math"}, MATH_SAMPLE, tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    slow = [r"so \boxed{9^{9^{9}}}", r"\boxed{9^{999999999}}", r"\boxed{1000000!}",
+            r"\boxed{2^{2^{2^{2^{2}}}}}"] * 2
+    check.problem(checked_group(tok, check.task, 0, [r"\boxed{1}"] * 2))  # math-verify started
+    check.lap()
+    for i in range(4):
+        assert check.problem(checked_group(tok, check.task, i, slow, [0.0] * 8, "hostile")) is None
+    assert check.lap() < 1.0
+    monkeypatch.setattr(tasks, "MATH_GROUP_BUDGET_S", 0.0)
+    kind, why = check.problem(checked_group(tok, check.task, 5, [r"\boxed{\frac{14}{3}}"] * 8,
+                                            [0.0] * 8, "hostile"))
+    assert kind == "reward_unverifiable" and "boxed_math_reward on train row 5" in why, why
+    monkeypatch.setattr(tasks, "MATH_GROUP_BUDGET_S", 4.0)
+    later = checked_group(tok, check.task, 6, [r"\boxed{\frac{14}{3}}"] * 8, [0.0] * 8, "hostile")
+    assert check.problem(later) == ("reward_unverifiable",
+                                    "its sender sent an unverifiable group before")
+    assert check.problem(dict(later, worker="honest")) is None
+    assert check.lap() < tasks.MATH_GROUP_BUDGET_S

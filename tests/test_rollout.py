@@ -21,7 +21,7 @@ import torch
 import grpo_loss
 from support import engines, tasks
 import proxy
-from support import buckets, cli, evaluate, proxy_client, shared_prompt, trainer_state
+from support import buckets, cli, evaluate, proxy_client, rewards, shared_prompt, trainer_state
 import rollout
 import sync
 from conftest import free_port
@@ -102,15 +102,25 @@ def replica_args(bucket, proxy_url, *extra):
     return args
 
 
+def task_of(args):
+    """The task a replica started with these args trains on (rollout.main makes it so)."""
+    return rewards.make_task(cli.task_spec(args, "arith"), args.data)
+
+
+TOY = rewards.make_task({"task": "toy"})  # replica_args' task
+
+
 def check_group(g, version, tokenizer, task="toy", max_new_tokens=12, n=6):
     """A group as the trainer will get it: templated prompt and its ids, EOS cut, rewards, one log-prob per id."""
-    items = {tasks.chat_prompt(tokenizer, it["question"])[0]: it for it in tasks.load_task(task, "train")}
-    assert g["prompt"] in items and g["prompt_ids"] == tasks.chat_prompt(tokenizer, items[g["prompt"]]["question"])[1]
+    rows = tasks.load_task(task, "train")
+    items = {rewards.templated(tokenizer, it["prompt"])[0]: it for it in rows}
+    assert g["prompt"] in items and g["prompt_ids"] == rewards.templated(tokenizer, items[g["prompt"]]["prompt"])[1]
+    assert rows[g["item"]] is items[g["prompt"]] or rows[g["item"]] == items[g["prompt"]]
     assert g["policy_version"] == version and g["worker"] == "replica-0"
     assert len(g["completions"]) == n
     for c in g["completions"]:
         assert len(c["ids"]) == len(c["logprobs"]) > 0 and all(lp <= 0 for lp in c["logprobs"])
-        assert c["reward"] == tasks.reward(task, c["text"], items[g["prompt"]])
+        assert c["reward"] == tasks.BUILTIN[task](completions=[c["text"]], answer=[items[g["prompt"]]["answer"]])[0]
         assert c["text"] == tokenizer.decode(c["ids"], skip_special_tokens=True)
         if c["finish_reason"] == "stop":  # cut at and including the first EOS
             assert c["ids"][-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in c["ids"][:-1]
@@ -140,7 +150,8 @@ def test_hot_reload_matches_transformers_peft(engine_name, request, adapters, re
     client = proxy_client.ProxyClient(proxy_url)
     # arith: prompts of different lengths in one batch, so the hf engine's left padding is exercised
     args = replica_args(bucket, proxy_url, "--task", "arith")
-    replica = rollout.Replica(args, engine, buckets.open_bucket(bucket), client, sync.AdapterCache(cache))
+    replica = rollout.Replica(args, task_of(args), engine, buckets.open_bucket(bucket), client,
+                              sync.AdapterCache(cache))
     replica.refresh()  # v0
     model_before = engine_core(engine)
 
@@ -172,7 +183,7 @@ def test_hot_reload_matches_transformers_peft(engine_name, request, adapters, re
 
 
 def test_greedy_engines_agree(hf_engine, vllm_engine, adapters):
-    _, ids = tasks.chat_prompt(hf_engine.tokenizer, "What is 2 + 3?")
+    _, ids = rewards.templated(hf_engine.tokenizer, [{"role": "user", "content": "What is 2 + 3?"}])
     for engine in (hf_engine, vllm_engine):
         engine.load_adapter(2, adapters[2])
     hf, vl = hf_engine.greedy([ids, ids[:-4]], 10), vllm_engine.greedy([ids, ids[:-4]], 10)
@@ -187,7 +198,7 @@ def test_replica_follows_the_proxys_quota(hf_engine, adapters, tmp_path):
     try:
         sync.publish_adapter(bucket, adapters[0], 0)
         client = proxy_client.ProxyClient(url)
-        replica = rollout.Replica(replica_args(bucket, url), hf_engine, buckets.open_bucket(bucket), client,
+        replica = rollout.Replica(replica_args(bucket, url), TOY, hf_engine, buckets.open_bucket(bucket), client,
                                   sync.AdapterCache(str(tmp_path / "cache")))
         replica.refresh()
         client.set_version(0)
@@ -215,7 +226,7 @@ def test_with_the_adapter_key_a_planted_latest_is_said_once_and_the_replica_keep
     replaces LATEST."""
     bucket = str(tmp_path / "bucket")
     sync.publish_adapter(bucket, adapters[0], 0, key="k")
-    replica = rollout.Replica(replica_args(bucket, proxy_url), hf_engine, buckets.open_bucket(bucket),
+    replica = rollout.Replica(replica_args(bucket, proxy_url), TOY, hf_engine, buckets.open_bucket(bucket),
                               proxy_client.ProxyClient(proxy_url), sync.AdapterCache(str(tmp_path / "cache"), key="k"))
     replica.refresh()
     sync.publish_adapter(bucket, adapters[1], 1)  # a bucket writer's v1 and LATEST, untagged
@@ -241,7 +252,7 @@ def test_a_batch_larger_than_a_step_is_posted_in_slices(hf_engine, adapters, tmp
     try:
         sync.publish_adapter(bucket, adapters[0], 0)
         client = proxy_client.ProxyClient(url)
-        replica = rollout.Replica(replica_args(bucket, url), hf_engine, buckets.open_bucket(bucket), client,
+        replica = rollout.Replica(replica_args(bucket, url), TOY, hf_engine, buckets.open_bucket(bucket), client,
                                   sync.AdapterCache(str(tmp_path / "cache")))
         replica.refresh()
         client.set_version(0)
@@ -302,9 +313,9 @@ def test_cli_eval(tiny_model, adapters, hf_engine, tmp_path):
     assert result["accuracy"] == result["correct"] / 5
     # the completions are v1's greedy ones (v1 holds the weights of adapters[2])
     hf_engine.load_adapter(2, adapters[2])
-    ids = [tasks.chat_prompt(hf_engine.tokenizer, x["question"])[1] for x in result["results"]]
+    ids = [rewards.templated(hf_engine.tokenizer, x["prompt"])[1] for x in result["results"]]
     assert [x["completion"] for x in result["results"]] == hf_engine.greedy(ids, 10)
-    assert [x["question"] for x in result["results"]] == [x["question"] for x in tasks.load_task("arith", "test")[:5]]
+    assert [x["prompt"] for x in result["results"]] == [x["prompt"] for x in tasks.load_task("arith", "test")[:5]]
 
 
 def one_error_line(r):
@@ -336,7 +347,7 @@ def test_cli_errors_are_one_line(tiny_model, tmp_path, s3_server):
 
 def arith_prompts(tokenizer, k):
     """k arith prompt id lists, of at least 2 different lengths (left padding in every batch)."""
-    prompts = [tasks.chat_prompt(tokenizer, it["question"])[1] for it in tasks.load_task("arith", "train")[:k]]
+    prompts = [rewards.templated(tokenizer, it["prompt"])[1] for it in tasks.load_task("arith", "train")[:k]]
     assert len({len(p) for p in prompts}) > 1
     return prompts
 
@@ -437,9 +448,10 @@ def test_hf_sampler_logprobs_match_the_trainer(tiny_model, tmp_path):
 def run_base_eval(tiny_model, cache, capsys, *extra):
     """rollout.py --eval --adapter base in this process. Returns (its printed lines, the --eval-out JSON)."""
     out = os.path.join(cache, "..", "eval.json")
-    evaluate.run_eval(cli.replica_args(["--eval", "--model", tiny_model, "--engine", "hf", "--task", "arith",
-                                         "--limit", "3", "--max-new-tokens", "6", "--eval-cache", cache,
-                                         "--eval-out", out, *extra]))
+    args = cli.replica_args(["--eval", "--model", tiny_model, "--engine", "hf", "--task", "arith",
+                             "--limit", "3", "--max-new-tokens", "6", "--eval-cache", cache,
+                             "--eval-out", out, *extra])
+    evaluate.run_eval(args, task_of(args))
     with open(out) as f:
         return capsys.readouterr().out.splitlines(), json.load(f)
 
@@ -452,16 +464,35 @@ def test_eval_base_accuracy_is_cached(tiny_model, tmp_path, capsys):
     assert "engine: hf" in lines[0] and "(cached)" not in lines[-1] and len(os.listdir(cache)) == 1
     lines, again = run_base_eval(tiny_model, cache, capsys)
     assert len(lines) == 1 and lines[0].endswith("(cached)")  # no engine line: no model was loaded
-    assert lines[0].split(" in ")[0] == f"eval arith adapter=base hf: accuracy {first['accuracy']:.3f} ({first['correct']}/3)"
+    assert lines[0].split(" in ")[0] == (f"eval arith adapter=base hf: accuracy {first['accuracy']:.3f} "
+                                         f"({first['correct']}/3), mean reward {first['mean_reward']:.3f}")
     assert {k: v for k, v in again.items() if k not in ("seconds", "cached")} == \
         {k: v for k, v in first.items() if k != "seconds"}
     lines, longer = run_base_eval(tiny_model, cache, capsys, "--max-new-tokens", "7")
-    assert "(cached)" not in lines[-1] and longer["max_new_tokens"] == 7 and len(os.listdir(cache)) == 2
+    assert "(cached)" not in lines[-1] and longer["max_completion_length"] == 7 and len(os.listdir(cache)) == 2
     lines, _ = run_base_eval(tiny_model, cache, capsys, "--no-eval-cache")
     assert "engine: hf" in lines[0] and "(cached)" not in lines[-1]
     os.utime(os.path.join(tiny_model, "config.json"))  # the model folder changed: another model
     lines, _ = run_base_eval(tiny_model, cache, capsys)
     assert "(cached)" not in lines[-1] and len(os.listdir(cache)) == 3
+
+
+def test_the_eval_cache_is_keyed_on_the_reward_functions(tiny_model, tmp_path, capsys):
+    """Issue 51: after a reward edit the base score came from the old reward, marked only
+    "(cached)". Now each reward function's file is in the key: an edit is a miss, and the score is
+    the new function's."""
+    cache, reward = str(tmp_path / "cache"), tmp_path / "my_reward.py"
+    reward.write_text("def reward(completions, answer, **kwargs):\n    return [0.0 for _ in completions]\n")
+    flags = ("--reward-funcs", f"{reward}:reward")
+    lines, first = run_base_eval(tiny_model, cache, capsys, *flags)
+    assert first["mean_reward"] == 0.0 and first["reward_funcs"] == ["reward"]
+    lines, _ = run_base_eval(tiny_model, cache, capsys, *flags)
+    assert lines[-1].endswith("(cached)")
+    reward.write_text("def reward(completions, answer, **kwargs):\n    return [0.5 for _ in completions]\n")
+    rewards.TASKS.clear()  # a new process, as jobs.sh's next --eval is
+    lines, edited = run_base_eval(tiny_model, cache, capsys, *flags)
+    assert "(cached)" not in lines[-1] and edited["mean_reward"] == 0.5
+    assert "accuracy" not in edited  # 0.5 is not a 0/1 score: the mean reward only
 
 
 # A torch with CUDA and one GPU, as far as the availability checks go: torch's own functions, with
