@@ -410,7 +410,8 @@ except ValueError:
 # ID [ROLE] — until the job is RUNNING and answers /healthz through the gateway;
 wait_for_proxy() {
   # sets URL (the exposed URL `hf jobs inspect` shows, else the one built from the id). On a
-  # timeout or an ended job: a clear message, and every job of this launch cancelled.
+  # timeout, an ended job or a 401/403 (the gateway refusing GATEWAY_TOKEN: at once, token_refused):
+  # a clear message, and every job of this launch cancelled.
   # DRY_RUN: says what it would wait for.
   local deadline=$((SECONDS + STARTUP_TIMEOUT)) stage public role=${2:-proxy} code
   if [ -n "${DRY_RUN:-}" ]; then
