@@ -79,7 +79,7 @@ from support.cli import trainer_args
 from support.contract import CONTRACT_FLAGS  # the settings read from the proxy in train()
 from support.data_parallel import ONE_PROCESS, follow_rank_zero, join_ranks  # torchrun
 from support.devices import checkpoint_layers  # --gradient-checkpointing
-from support.group_checks import Waiting, keep_usable  # what a hostile replica cannot do
+from support.group_checks import UsableGroups, Waiting  # what a hostile replica cannot do
 from support.proxy_client import ProxyClient, ProxyError
 from support.reward_check import TaskRewards  # a group's rewards, recomputed from its task
 from support.shared_prompt import by_group, make_microbatches, plain_logprobs_fast
@@ -92,19 +92,16 @@ from support.trainer_state import TrainerError, lora_parameters, saves_state, st
 
 # ---- ALGO, 5. take a batch: groups from the proxy, one record per completion
 
-def gather_groups(client, n, wait_timeout, bucket_url, vocab_size, dropped=None, rewards=None,
-                  **limits):
-    """Long-poll the proxy until n usable groups are in hand (at most max_staleness versions old;
-    with --zero-variance drop, unequal rewards). A group the trainer cannot use (group_problem;
-    limits: its num_generations, context, reward_range) or whose rewards are not its task's
-    (`rewards`: TaskRewards) is dropped, named on stderr, counted in `dropped`, and reported to
-    the proxy: back to the step's quota, its worker banned."""
+def gather_groups(client, n, wait_timeout, bucket_url, usable_groups=list):
+    """Long-poll the proxy until n groups are in hand (at most max_staleness versions old; with
+    --zero-variance drop, unequal rewards). usable_groups: what the trainer keeps of each answer
+    (group_checks.UsableGroups: the groups it can use, the others dropped and reported)."""
     groups, waiting = [], Waiting(client, wait_timeout, bucket_url)
     while len(groups) < n:
         waiting.check(len(groups), n)  # a line a minute; TrainerError after wait_timeout
         # a long poll: the proxy answers as soon as it has them, or after the timeout
         answer = client.get_batch(n - len(groups), timeout=min(30.0, wait_timeout or 30.0))
-        groups += keep_usable(client, answer["groups"], vocab_size, dropped, rewards, **limits)
+        groups += usable_groups(answer["groups"])
     return groups
 
 
@@ -164,8 +161,8 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
                               epsilon=0.2, epsilon_high=None, beta=0.0,
                               max_completion_length=None, temperature=1.0, delta=None,
                               version=None, use_bias_correction_kl=True,
-                              mask_truncated_completions=False, correction=None,
-                              ranks=ONE_PROCESS):
+                              mask_truncated_completions=False, correction=None, forward=None,
+                              record=None):
     """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
 
     Each micro-batch's loss is weighted (grpo_loss.microbatch_weight) so that the sum is the loss
@@ -176,27 +173,27 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     leave the loss and the token counts, their rows stay in grpo's and dr_grpo's row counts.
     correction: grpo_loss.sampler_correction's keywords (TRL's names, --old-logprobs and the
     --vllm-importance-sampling-* flags): where the sampler's log-probs enter the loss.
-    ranks (torchrun): each rank forwards its share of the micro-batches; after the sums below,
-    every rank holds the gradient and the statistics of the whole step, as one process does.
+    forward: the log-probs' forward, plain_logprobs's arguments (default plain_logprobs_fast, see
+    7. above); record: a step_record.StepStats to gather the statistics in (default a new one).
+    A micro-batch [] forwards nothing; the normalisers count the step's rows and micro-batches.
     Returns StepStats.result's dict (loss, ratios, approx_kl, clip fractions, ...), and finite:
     False when the loss or a LoRA gradient is inf or NaN (then the optimizer must not step).
     """
     device = next(model.parameters()).device
     masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
     total_tokens = sum(len(s["ids"]) for i, s in enumerate(seqs) if i not in masked)
-    record = StepStats(seqs, version, beta, epsilon, epsilon_high)
+    record = record or StepStats(seqs, version, beta, epsilon, epsilon_high)
 
-    def logprobs(idx):  # (n, C) = plain_logprobs; under --fsdp that very forward (see 7. above)
-        return (plain_logprobs(model, seqs, idx, temperature) if ranks.fsdp else
+    def logprobs(idx):  # (n, C) = plain_logprobs(model, seqs, idx, temperature), see 7. above
+        return (forward(model, seqs, idx, temperature) if forward else
                 plain_logprobs_fast(model, seqs, idx, grpo_loss.token_logprobs, temperature))
-    for idx in ranks.my_share(microbatches):  # all of them in one process
+    for idx in microbatches:
         idx = [i for i in idx if i not in masked]  # no loss; grpo, dr_grpo still count them
         mb_tokens = sum(len(seqs[i]["ids"]) for i in idx)  # bnpo's normaliser: all its rows
         if beta == 0.0:  # advantage 0 everywhere in a group: no loss, no gradient, no forward
             idx = [i for g in by_group(seqs, idx) if bool((advantages[g] != 0).any())
                    for i in g]
-        if not idx:  # --fsdp: a forward and backward of weight 0, as many as the other ranks'
-            ranks.idle(model, lambda: logprobs([0]), beta)
+        if not idx:
             continue
         sampled, mask = completion_tensors(seqs, idx, device)  # (n, C) the sampler's, (n, C)
         logps = logprobs(idx)  # = plain_logprobs(model, seqs, idx, temperature)
@@ -220,8 +217,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
         record.add(idx, mask, loss.item() * weight, stats,  # the step's statistics, per row:
                    grpo_loss.offpolicy_stats(logps, sampled, mask, correction),
                    weights["off_policy_mask"])
-    ranks.sum_gradients(model)  # every rank: the whole step's LoRA gradient
-    out = ranks.whole_step(record).result()  # every rank: the whole step's statistics
+    out = record.result()
     out["finite"] = math.isfinite(out["loss"]) and grpo_loss.all_finite(  # each on its own device
         [p.grad for p in model.parameters() if p.requires_grad])
     return out
@@ -247,44 +243,46 @@ def publish(model, bucket, version, keep, base_model, step, state=None, optimize
             save_trainer_state(bucket, d)
 
 
-# ---- ALGO: the loop. grpo_update: steps 6-8 (under torchrun, every rank's); train(): the rest
+# ---- ALGO: the loop. grpo_update: steps 6-8; train(): the rest
 
-def grpo_update(model, optimizer, groups, args, step, version, ranks=ONE_PROCESS):
-    """README's steps 6-8 on rank 0's groups (the others pass None): advantages, log-probs,
-    loss, AdamW (skipped if not finite). Returns (seqs, micro-batches, stats, grad norm, finite)."""
-    seqs = flatten_groups(ranks.same_groups(groups), args.max_completion_length)
-    # whole groups, at most --micro-batch-tokens per forward/backward (one or more per rank)
-    mbs = make_microbatches(seqs, args.micro_batch_tokens, at_least=ranks.world)
+def grpo_update(model, optimizer, groups, args, step, version,
+                loss_and_backward=compute_loss_and_backward, min_microbatches=1):
+    """README's steps 6-8: advantages, log-probs, loss, AdamW (skipped if not finite). Returns
+    (seqs, micro-batches, stats, grad norm, finite). Under torchrun, Ranks.spread wraps it, as
+    DDP wraps a model: loss_and_backward the same over the ranks, a micro-batch or more each."""
+    seqs = flatten_groups(groups, args.max_completion_length)
+    # whole groups, at most --micro-batch-tokens per forward/backward
+    mbs = make_microbatches(seqs, args.micro_batch_tokens, at_least=min_microbatches)
     # 6. advantages: each reward against its group's mean (and std: --scale-rewards)
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
     advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)
     # 7. + 8. log-probs and the loss, the gradient accumulated over the micro-batches.
     # Zeros, not None: all-equal groups still step AdamW's momentum, as TRL's do.
     optimizer.zero_grad(set_to_none=False)
-    stats = compute_loss_and_backward(
+    stats = loss_and_backward(
         model, seqs, advantages, mbs, loss_type=args.loss_type, epsilon=args.epsilon,
         epsilon_high=args.epsilon_high, beta=args.beta, delta=args.delta,
         max_completion_length=args.max_completion_length, temperature=args.temperature,
         version=version, use_bias_correction_kl=args.use_bias_correction_kl,
         mask_truncated_completions=args.mask_truncated_completions,
-        correction={k: getattr(args, k) for k in grpo_loss.CORRECTION}, ranks=ranks)
+        correction={k: getattr(args, k) for k in grpo_loss.CORRECTION})
     grad_norm = torch.nn.utils.clip_grad_norm_(lora_parameters(model), args.max_grad_norm).item()
     finite = stats.pop("finite") and math.isfinite(grad_norm)
     # the schedule: a function of the step, so a resume continues it
     decay = 1 - step / args.max_steps if args.lr_scheduler_type == "linear" else 1
     for g in optimizer.param_groups:
         g["lr"] = args.learning_rate * decay
-    if finite:
+    if finite:  # else a poisoned group would reach the weights: the same ones again (stderr)
         optimizer.step()
-    elif ranks.rank == 0:  # a poisoned group must not reach the weights: the same ones again
-        print(f"step {step + 1}: loss {stats['loss']} / gradient norm {grad_norm}: not "
-              "finite, update skipped", file=sys.stderr)
     return seqs, mbs, stats, grad_norm, finite
 
 
 def train(args, ranks=ONE_PROCESS):
+    # torchrun: grpo_update over the ranks, each its share of the micro-batches, the gradient
+    # summed (support/data_parallel.py); one process: grpo_update itself
+    update = ranks.spread(grpo_update, compute_loss_and_backward, plain_logprobs)
     if ranks.rank > 0:  # torchrun: the other ranks never talk to the proxy or the bucket
-        return follow_rank_zero(args, ranks, grpo_update)
+        return follow_rank_zero(args, ranks, update)
     bucket = open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
     client = ProxyClient(args.proxy)  # token: env PROXY_TOKEN; a wrong URL or token ends below
     contract = client.contract(**{k: getattr(args, k) for k in CONTRACT_FLAGS})
@@ -301,6 +299,8 @@ def train(args, ranks=ONE_PROCESS):
     vocab_size = model.get_input_embeddings().num_embeddings
     client.set_limits(vocab_size=vocab_size, context_length=run.limits["context"])
     task_rewards = TaskRewards(args.task, args.data, args.model)  # arith, gsm8k, math: checked
+    # what the trainer does not trust, checked where groups arrive: the others named and reported
+    usable_groups = UsableGroups(client, vocab_size, task_rewards, **run.limits)
 
     def publish_and_save(version, save):
         state = {"step": step, "version": version, "published_step": step,
@@ -323,16 +323,16 @@ def train(args, ranks=ONE_PROCESS):
     while step < args.max_steps:
         t0 = time.time()
         # 5. take a batch: groups_per_step groups (a long poll), one record per completion
-        dropped = {}  # why -> groups dropped while gathering this step's (group_problem, rewards)
         groups = gather_groups(client, args.groups_per_step, args.wait_timeout, bucket.url,
-                               vocab_size, dropped, task_rewards, **run.limits)
+                               usable_groups)
         groups_consumed += len(groups)
         t1 = time.time()
         # 6.-8. advantages, log-probs and loss, one AdamW step (torchrun: on every rank)
-        update = grpo_update(model, optimizer, groups, args, step, version, ranks)
+        result = update(model, optimizer, groups, args, step, version)  # grpo_update
         step += 1
         # the step's record: absurd ratios named (departure 8), metrics/, --report-to, stdout
-        record_step(run, args, groups, update, step=step, version=version, dropped=dropped,
+        record_step(run, args, groups, result, step=step, version=version,
+                    dropped=usable_groups.lap(),  # why -> groups dropped while gathering these
                     times=(t0, t1, time.time()), reward_check_s=task_rewards.lap())
         # 9. publish: one version per optimizer step (and the resume state every --save-every)
         version += 1

@@ -13,22 +13,24 @@ Rank 0 is the trainer of one process: it alone talks to the proxy and writes the
     Ranks.start_alike      every rank starts from rank 0's settings (the proxy's contract
                            included), LoRA weights, AdamW state, step and version (--fsdp: each
                            rank its shard of them)
-    Ranks.same_groups      every rank holds rank 0's groups of the step
-    Ranks.my_share         this rank's micro-batches: rank, rank + N, ... of the step's list
-                           (--fsdp: as many on every rank, [] where it has fewer)
-    Ranks.idle             --fsdp: a rank with no micro-batch to forward runs one of weight 0
-    Ranks.sum_gradients    every rank holds the whole step's LoRA gradient, the sum of the shares
-                           (--fsdp: its shard of it, summed by FSDP2's reduce-scatter)
-    Ranks.whole_step       every rank holds the whole step's statistics (StepStats merged)
+    Ranks.spread           trainer.grpo_update as one rank's part of the step, as DDP wraps a
+                           model (the step's code unchanged): every rank on rank 0's groups
+                           (same_groups), a micro-batch or more per rank, the loss on this rank's
+                           share (share_of_step)
+    Ranks.share_of_step    trainer.compute_loss_and_backward on this rank's micro-batches (rank,
+                           rank + N, ...), then every rank holds the whole step's LoRA gradient
+                           (sum_gradients; --fsdp: its shard, summed by FSDP2's reduce-scatter) and
+                           statistics (StepStats merged); --fsdp: the plain forward, as many
+                           forwards and backwards on every rank (idle passes of weight 0)
     Ranks.full_state       rank 0 holds the full LoRA and AdamW state, to publish and save
                            (--fsdp: gathered from every rank's shard)
     follow_rank_zero       ranks > 0: the model, then every step rank 0 takes, on its groups
 
 The loss's normalisers are the whole step's on every rank (trainer.compute_loss_and_backward
-counts the tokens, rows and micro-batches of the whole step, not of its share), so the summed
-gradient is the one-process gradient, every rank's AdamW step the same, and the resume state
-rank 0 saves (the full LoRA + AdamW) fits any N, with or without --fsdp
-(tests/test_data_parallel.py).
+counts the tokens, rows and micro-batches of the list it is given: each rank gets the step's
+list with the other ranks' micro-batches as [], which forward nothing), so the summed gradient
+is the one-process gradient, every rank's AdamW step the same, and the resume state rank 0
+saves (the full LoRA + AdamW) fits any N, with or without --fsdp (tests/test_data_parallel.py).
 A rank that dies: torchrun's agent ends the others and exits non-zero naming it; a collective
 that fails, or waits longer than the process group's timeout, is a TrainerError naming the rank.
 
@@ -36,6 +38,8 @@ This module imports no role file.
 """
 
 import datetime
+import functools
+import math
 import os
 from types import SimpleNamespace
 
@@ -44,6 +48,7 @@ import torch.distributed as dist
 
 from support.devices import checkpoint_layers
 from support.fsdp import gather_full_state, idle_pass, load_full_state, shard_model
+from support.step_record import StepStats
 from support.trainer_state import (TrainerError, build_model, lora_parameters, make_optimizer,
                                    saves_state)
 
@@ -94,6 +99,20 @@ class Ranks:
                             resumed=start[0]["optimizer"])
         return run
 
+    def spread(self, grpo_update, loss_and_backward, plain_logprobs):
+        """grpo_update(model, optimizer, groups, args, step, version) (trainer's) as this rank's
+        part of one step: on rank 0's groups (the others pass None), split into a micro-batch or
+        more per rank, loss_and_backward (trainer.compute_loss_and_backward) on this rank's share
+        (share_of_step; plain_logprobs: --fsdp's forward). One process: grpo_update itself."""
+        if self.world == 1:
+            return grpo_update
+
+        def update(model, optimizer, groups, args, step, version):
+            share = functools.partial(self.share_of_step, loss_and_backward, plain_logprobs)
+            return grpo_update(model, optimizer, self.same_groups(groups), args, step, version,
+                               loss_and_backward=share, min_microbatches=self.world)
+        return update
+
     def same_groups(self, groups):
         """Rank 0's groups (its argument; other ranks pass None), on every rank."""
         if self.world == 1:
@@ -103,20 +122,35 @@ class Ranks:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def my_share(self, microbatches):
-        """This rank's micro-batches of the whole step's list: rank, rank + N, ... --fsdp: as
-        many on every rank, [] for the ones it lacks (each forward is a collective: idle)."""
-        mine = microbatches[self.rank::self.world]
-        if self.fsdp:  # as many as rank 0's, the most
-            mine += [[]] * (len(microbatches[0::self.world]) - len(mine))
-        return mine
+    def share_of_step(self, loss_and_backward, plain_logprobs, model, seqs, advantages,
+                      microbatches, **kw):
+        """loss_and_backward(model, seqs, advantages, microbatches, **kw) of the whole step, on
+        every rank, from this rank's share of the micro-batches: rank, rank + N, ... (the others
+        passed as [], so the normalisers are the step's). Then the LoRA gradient is summed over
+        the ranks (sum_gradients) and the statistics merged (StepStats.merge, in rank order), so
+        every rank returns what one process returns. --fsdp: the forward is plain_logprobs
+        (support/fsdp.py's departure 4), and each rank runs as many forwards and backwards as
+        the rank with the most micro-batches (each is a collective): idle passes of weight 0."""
+        record = StepStats(seqs, kw["version"], kw["beta"], kw["epsilon"], kw["epsilon_high"])
+        mine = [mb if k % self.world == self.rank else [] for k, mb in enumerate(microbatches)]
+        passes = [0]  # --fsdp: the forwards with a backward that this rank ran
 
-    def idle(self, model, forward, beta):
-        """--fsdp: this rank has nothing to forward (its share, or every group of its
-        micro-batch flat): one forward and backward of weight 0 (fsdp.idle_pass), forward() a
-        stand-in's log-probs, so that every rank runs FSDP2's collectives as often."""
-        if self.fsdp:
-            idle_pass(model, forward, beta)
+        def forward(model, seqs, idx, temperature):  # plain_logprobs, counted
+            passes[0] += torch.is_grad_enabled()
+            return plain_logprobs(model, seqs, idx, temperature)
+        out = loss_and_backward(model, seqs, advantages, mine, record=record,
+                                forward=forward if self.fsdp else None, **kw)
+        for _ in range(len(microbatches[0::self.world]) - passes[0] if self.fsdp else 0):
+            idle_pass(model, lambda: plain_logprobs(model, seqs, [0], kw["temperature"]),
+                      kw["beta"])
+        self.sum_gradients(model)
+        shares = [None] * self.world  # each rank's statistics, and whether its share was finite
+        with self.collective("the step's statistics"):
+            dist.all_gather_object(shares, (record.share(), out["finite"]))
+        record.merge([share for share, _ in shares])
+        out.update(record.result())  # finite: every rank's (grpo_update checks the gradient norm)
+        out["finite"] = all(f for _, f in shares) and math.isfinite(out["loss"])
+        return out
 
     def sum_gradients(self, model):
         """Every rank's .grad of the LoRA parameters becomes the sum over the ranks (one
@@ -138,17 +172,6 @@ class Ranks:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(g.view_as(p))
-
-    def whole_step(self, record):
-        """record (a step_record.StepStats of this rank's micro-batches) merged with every other
-        rank's, in rank order: the statistics one process gathers, on every rank."""
-        if self.world == 1:
-            return record
-        shares = [None] * self.world
-        with self.collective("the step's statistics"):
-            dist.all_gather_object(shares, record.share())
-        record.merge(shares)
-        return record
 
     def full_state(self, model, optimizer, adamw=True):
         """(LoRA, AdamW state) for rank 0 to publish and, with adamw (a save), to save: None (the
@@ -216,7 +239,7 @@ def join_ranks(wait_timeout, bucket_retry, fsdp=False):
 def follow_rank_zero(args, ranks, update):
     """Ranks > 0: no proxy, no bucket. The model and AdamW as rank 0 builds them (start_run),
     started where rank 0 starts (start_alike), then each of rank 0's steps: update(model,
-    optimizer, groups, args, step, version, ranks), trainer.grpo_update, on its groups. --fsdp:
+    optimizer, None, args, step, version), trainer.grpo_update spread over the ranks. --fsdp:
     also its part in each of rank 0's publishes (full_state), at the same points as rank 0."""
     model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed,
                         device="cpu" if args.fsdp else None)
@@ -230,7 +253,7 @@ def follow_rank_zero(args, ranks, update):
     if run.must_publish:  # rank 0's first publish, with the resume state (trainer.train)
         ranks.full_state(model, optimizer)
     while step < args.max_steps:
-        update(model, optimizer, None, args, step, version, ranks)  # rank 0's groups
+        update(model, optimizer, None, args, step, version)  # on rank 0's groups
         step, version = step + 1, version + 1
         ranks.full_state(model, optimizer, saves_state(step, args))
 

@@ -1,7 +1,7 @@
 """What the trainer checks in the groups a replica sent before they reach the step: a hostile
 replica's group must not crash, steer or poison the learner (group_problem), nor lie about
-its rewards (support/reward_check.py); a dropped group is reported to the proxy (keep_usable); and
-how long the trainer waits for groups (Waiting).
+its rewards (support/reward_check.py); a dropped group is reported to the proxy (UsableGroups,
+the one call where the trainer's groups arrive); and how long the trainer waits for them (Waiting).
 
 This module imports no role file.
 """
@@ -37,35 +37,49 @@ class Waiting:
             self.last_log = time.time()
 
 
-def keep_usable(client, groups, vocab_size, dropped=None, rewards=None, **limits):
-    """The groups the trainer can use (group_problem) whose rewards are the task's (`rewards`: a
-    reward_check.TaskRewards, or None). Each other one is named on stderr, counted in `dropped`
-    and reported to the proxy (POST /reject), which gives it back to the step's quota and bans
-    its worker: a drop never leaves the trainer waiting on a group nobody makes."""
-    kept, reports = [], []
-    for g in groups:
-        problem = group_problem(g, vocab_size, **limits) or (rewards and rewards.problem(g))
-        if not problem:
-            kept.append(g)
-            continue
-        named(g, problem, dropped)
-        gid, worker = (str(g.get(k) if isinstance(g, dict) else "?")[:256] or "?"
-                       for k in ("group_id", "worker"))
-        reports.append({"group_id": gid, "worker": worker, "kind": problem[0],
-                        "why": problem[1]})
-    try:
-        if reports:
-            client.reject(reports)
-    except ProxyError as e:  # an older proxy.py: the step may wait for a lease nobody holds
-        print(f"could not report {len(reports)} dropped groups to the proxy: {e}",
-              file=sys.stderr)
-    return kept
+class UsableGroups:
+    """Of each answer of the proxy, the groups the trainer can use: valid ones come back as they
+    are, in order. A group it cannot use (group_problem; limits: num_generations, context,
+    reward_range) or whose rewards are not its task's (`rewards`: a reward_check.TaskRewards, or
+    None) is named on stderr, counted (lap) and reported to the proxy (POST /reject), which gives
+    it back to the step's quota and bans its worker: a drop never leaves the trainer waiting on a
+    group nobody makes."""
+
+    def __init__(self, client, vocab_size, rewards=None, **limits):
+        self.client, self.vocab_size, self.limits = client, vocab_size, limits
+        self.rewards = rewards
+        self.dropped = {}  # kind -> groups dropped since the last lap
+
+    def __call__(self, groups):
+        kept, reports = [], []
+        for g in groups:
+            problem = (group_problem(g, self.vocab_size, **self.limits)
+                       or (self.rewards and self.rewards.problem(g)))
+            if not problem:
+                kept.append(g)
+                continue
+            named(g, problem, self.dropped)
+            gid, worker = (str(g.get(k) if isinstance(g, dict) else "?")[:256] or "?"
+                           for k in ("group_id", "worker"))
+            reports.append({"group_id": gid, "worker": worker, "kind": problem[0],
+                            "why": problem[1]})
+        try:
+            if reports:
+                self.client.reject(reports)
+        except ProxyError as e:  # an older proxy.py: the step may wait for a lease nobody holds
+            print(f"could not report {len(reports)} dropped groups to the proxy: {e}",
+                  file=sys.stderr)
+        return kept
+
+    def lap(self):
+        """kind -> groups dropped since the last lap (a step's `groups_dropped`)."""
+        dropped, self.dropped = self.dropped, {}
+        return dropped
 
 
 def named(g, problem, dropped):
     """A dropped group: named on stderr, counted in `dropped` (kind -> count)."""
-    if dropped is not None:
-        dropped[problem[0]] = dropped.get(problem[0], 0) + 1
+    dropped[problem[0]] = dropped.get(problem[0], 0) + 1
     gid, worker = (printable(g.get(k) if isinstance(g, dict) else "?")
                    for k in ("group_id", "worker"))
     print(f"dropped group {gid} from {worker}: {problem[1]}", file=sys.stderr)

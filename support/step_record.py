@@ -158,9 +158,13 @@ def name_absurd(step, groups, absurd, delta):
 
 def record_step(run, args, groups, update, *, step, version, dropped, times, reward_check_s):
     """The record of step `step` (counted from 1) after trainer.grpo_update, `update` its
-    (seqs, micro-batches, stats, gradient norm, finite): the groups of an absurd ratio named
-    (name_absurd), then metrics/step-S.json, --report-to and the log line (log_step)."""
+    (seqs, micro-batches, stats, gradient norm, finite): a skipped update said on stderr, the
+    groups of an absurd ratio named (name_absurd), then metrics/step-S.json, --report-to and the
+    log line (log_step)."""
     seqs, mbs, stats, grad_norm, finite = update
+    if not finite:  # grpo_update did not step: a poisoned group must not reach the weights
+        print(f"step {step}: loss {stats['loss']} / gradient norm {grad_norm}: not finite, "
+              "update skipped", file=sys.stderr)
     absurd = stats.pop("absurd_ratio")
     name_absurd(step - 1, groups, absurd, args.delta)
     log_step(run, args, groups, seqs, stats, step=step, version=version, grad_norm=grad_norm,

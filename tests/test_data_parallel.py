@@ -2,12 +2,13 @@
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_data_parallel.py -q
 
-1. The update of a 2-rank step (trainer.grpo_update with the ranks; data parallel, and FSDP2:
-   --fsdp, each rank half of the model, the plain forward) equals the 1-process update
-   on the same groups and micro-batches: the LoRA gradient, the weights after AdamW and the
-   step's statistics, for every loss_type at beta 0 and 0.04, with --old-logprobs learner and
-   the masks, and with a rank that forwards nothing; both ranks end with the same weights. One
-   torchrun of this file (its __main__ is the worker) computes every case; each is a test.
+1. The update of a 2-rank step (trainer.grpo_update spread over the ranks by Ranks.spread; data
+   parallel, and FSDP2: --fsdp, each rank half of the model, the plain forward) equals the
+   1-process update on the same groups and micro-batches: the LoRA gradient, the weights after
+   AdamW and the step's statistics, for every loss_type at beta 0 and 0.04, with --old-logprobs
+   learner and the masks, and with a rank that forwards nothing; both ranks end with the same
+   weights. One torchrun of this file (its __main__ is the worker) computes every case; each
+   is a test.
 2. A 2-rank trainer against a real proxy and replica learns the toy task; a SIGKILL of rank 1
    ends rank 0 through torchrun's agent, which names the rank; one plain process resumes from
    the bucket, is killed in turn, and the 2-rank command resumes from its state (N changes).
@@ -90,7 +91,9 @@ def worker(tiny_model, out, mode):
             for p in params:
                 p.grad = None  # a fresh trainer's first step
             opt = trainer_state.make_optimizer(params, args)
-            _, mbs, stats, norm, finite = trainer.grpo_update(m, opt, batch, args, 3, 5, r)
+            step = r.spread(trainer.grpo_update, trainer.compute_loss_and_backward,
+                            trainer.plain_logprobs)  # ONE_PROCESS: grpo_update itself
+            _, mbs, stats, norm, finite = step(m, opt, batch, args, 3, 5)
             return {"grads": [full(p.grad) for p in params], "mbs": mbs, "stats": stats,
                     "weights": [full(p) for p in params], "grad_norm": norm, "finite": finite}
 
@@ -108,7 +111,7 @@ def worker(tiny_model, out, mode):
         lora, adamw = {}, None
         if ranks.rank == 0:  # after a step of one process: AdamW's moments are not zeros
             ref = trainer_state.make_optimizer(trainer_state.lora_parameters(one_model), args)
-            trainer.grpo_update(one_model, ref, groups, args, 3, 5, data_parallel.ONE_PROCESS)
+            trainer.grpo_update(one_model, ref, groups, args, 3, 5)
             lora = {n: p.detach().clone() for n, p in one_model.named_parameters()
                     if p.requires_grad}
             adamw = ref.state_dict()
