@@ -12,8 +12,8 @@
    trl==1.16.0 with .venv's torch, transformers and peft), one process, generation with
    transformers (use_vllm=False). It trains on exactly rollout.py's task: the same train items
    (tasks.load_task), the same prompt ids (the chat template with one user message,
-   add_generation_prompt=True; checked against tasks.chat_prompt before training), the same
-   reward (tasks.reward: number_reward on the last number). Its thread count is its faster one:
+   add_generation_prompt=True; checked against rewards.templated before training), the same
+   reward function (tasks.BUILTIN: number_reward on the last number). Its thread count is its faster one:
    a probe runs --probe-steps steps at 1 and at 2 threads first and keeps the lower median step
    time (--trl-threads N skips that part); then, at that thread count, with glibc's malloc kept
    from handing large blocks back to the kernel (MALLOC_KEPT: what jobs.sh gives our trainer),
@@ -234,28 +234,24 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import ProfilingContext
 
 import rollout
 import trainer as ours
-from support import cli, shared_prompt, tasks, trainer_state
+from support import cli, rewards, shared_prompt, tasks, trainer_state
 
 torch.set_num_threads(cfg["threads"])
-items = tasks.load_task(cfg["task"], "train")
+rows = tasks.load_task(cfg["task"], "train")  # [{"prompt": [the user's message], "answer"}]
 tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
-dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": it["question"]}], "answer": it["answer"]}
-                             for it in items])
-for it in items:  # TRL tokenizes a conversational prompt with apply_chat_template: the ids must be rollout.py's
-    trl_ids = tokenizer.apply_chat_template([{"role": "user", "content": it["question"]}], add_generation_prompt=True,
+dataset = Dataset.from_list(rows)
+for row in rows:  # TRL tokenizes a conversational prompt with apply_chat_template: rollout.py's ids
+    trl_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]
-    if list(trl_ids) != tasks.chat_prompt(tokenizer, it["question"])[1]:
-        sys.exit(f"TRL's prompt ids for {it['question']!r} differ from tasks.chat_prompt's")
-
-
-def number_reward(completions, answer, **_):  # completions: [[{"role": "assistant", "content": text}]]
-    return [tasks.reward(cfg["task"], c[0]["content"] if isinstance(c, list) else c, {"answer": a})
-            for c, a in zip(completions, answer)]
+    if list(trl_ids) != rewards.templated(tokenizer, row["prompt"])[1]:
+        sys.exit(f"TRL's prompt ids for {row['prompt']!r} differ from rewards.templated's")
+task_reward = tasks.BUILTIN[cfg["task"]]  # TRL's form: f(completions, answer, **kw), as the replica's
 
 
 PROFILED = {}  # seconds per TRL profiling name since the last step ("GRPOTrainer._prepare_inputs", ...)
@@ -319,7 +315,8 @@ config = GRPOConfig(
     scale_rewards="group", num_iterations=1,
     bf16=False, gradient_checkpointing=False, disable_dropout=True,  # trainer.py: fp32 on CPU, no recompute
     model_init_kwargs={"dtype": torch.float32},
-    logging_steps=1, save_strategy="steps", save_steps=cfg["save_steps"], save_only_model=True,
+    logging_steps=1, save_strategy="steps", save_steps=cfg["save_steps"],
+    save_only_model=not cfg.get("resume"),  # resumable: AdamW, the schedule and the RNGs too
     disable_tqdm=True, dataloader_num_workers=0)
 lora = LoraConfig(r=int(s["LORA_R"]), lora_alpha=int(s["LORA_ALPHA"]), lora_dropout=0.0, target_modules="all-linear",
                   task_type="CAUSAL_LM")
@@ -333,16 +330,16 @@ if replay:  # --check-update: keep each step's batch and the LoRA weights after 
             control.should_training_stop = state.global_step >= replay
 
     callbacks.append(Keep())
-trainer = GRPOTrainer(model=cfg["model"], reward_funcs=number_reward, args=config, train_dataset=dataset,
+trainer = GRPOTrainer(model=cfg["model"], reward_funcs=task_reward, args=config, train_dataset=dataset,
                       processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
 if replay:
     initial = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
     generate, score = trainer._generate_and_score_completions, trainer._calculate_rewards
 
     def keep_rewards(*a, **kw):
-        rewards = score(*a, **kw)  # (B, reward functions)
-        batches.append({"rewards": rewards.sum(1).clone()})
-        return rewards
+        got = score(*a, **kw)  # (B, reward functions)
+        batches.append({"rewards": got.sum(1).clone()})
+        return got
 
     def keep_batch(inputs):
         out = generate(inputs)
@@ -355,7 +352,7 @@ shown = ("generation_batch_size", "num_generations", "steps_per_generation", "ma
          "gradient_checkpointing", "use_vllm")
 print("TRL config: " + " ".join(f"{k}={getattr(config, k)}" for k in shown), f"threads={torch.get_num_threads()}",
       flush=True)
-trainer.train()
+trainer.train(resume_from_checkpoint=cfg.get("resume") and get_last_checkpoint(cfg["out"]))
 if not replay:
     StepLog(cfg["steps_log"]).write(event="train_end")
     trainer.save_model(os.path.join(cfg["out"], "final"))
@@ -452,17 +449,20 @@ def trl_env(threads, malloc):
                 **(MALLOC_KEPT if malloc == "kept" else {}))
 
 
-def train_trl(a, settings, work, steps, save_steps, threads, malloc):
-    """TRL_SCRIPT in TRL's venv for `steps` steps. Returns (start time, its steps.jsonl records)."""
+def train_trl(a, settings, work, steps, save_steps, threads, malloc, resume=False):
+    """TRL_SCRIPT in TRL's venv for `steps` steps. Returns (start time, its steps.jsonl records).
+    resume: from the newest whole checkpoint in `work` (AdamW, schedule and RNGs kept), if any;
+    steps.jsonl then holds every attempt's steps (a step after the checkpoint once per attempt)."""
     py = ensure_trl_venv(a.trl_venv)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    if not resume:
+        shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work, exist_ok=True)
     script, steps_log = os.path.join(work, "train_trl.py"), os.path.join(work, "steps.jsonl")
     with open(script, "w") as f:
         f.write(TRL_SCRIPT)
     cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings,
            "steps": steps, "save_steps": save_steps, "threads": threads, "out": work,
-           "steps_log": steps_log}
+           "steps_log": steps_log, "resume": resume}
     t0 = time.time()
     rc, _ = stream([py, script, json.dumps(cfg)], os.path.join(work, "trl.log"),
                    trl_env(threads, malloc))
@@ -502,9 +502,9 @@ def run_trl(a, settings, out):
     log(f"TRL {TRL_VERSION} GRPOTrainer: seed {settings['SEED']}, {a.steps} steps, "
         f"{a.trl_threads} thread(s), {a.trl_malloc} malloc (log: {work}/trl.log)")
     (t0, recs), sampler = sampled(train_trl, a, settings, work, a.steps, a.eval_every,
-                                  a.trl_threads, a.trl_malloc)
+                                  a.trl_threads, a.trl_malloc, getattr(a, "resume", False))
     end = next(r["time"] for r in recs if r["event"] == "train_end")
-    steps = [r for r in recs if r["event"] == "step"]
+    steps = list({r["step"]: r for r in recs if r["event"] == "step"}.values())  # resumed: the last
     curve = [{"step": r["step"], "t": r["time"] - t0, "reward": r["reward"]} for r in steps]
     timed = steps[1:] or steps  # the first step warms up (allocations, the optimizer's state)
     split = {k: sum(r[k] for r in timed) / len(timed) for k in ("step_s", "prepare_s", "generate_s")}

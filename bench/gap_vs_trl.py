@@ -53,11 +53,12 @@ def sampler(prompts, n=8, max_new_tokens=12,
 
     from support import tasks
     from support.engines import HFEngine
+    from support.rewards import templated
 
     items = tasks.load_task("arith", "train")[:prompts]
     for name in ("ours, fast decode", "ours, generate + draw_tokens", "transformers sampling"):
         eng = HFEngine(model, seed=0, fast=name == "ours, fast decode")
-        ids = [tasks.chat_prompt(eng.tokenizer, it["question"])[1] for it in items]
+        ids = [templated(eng.tokenizer, it["prompt"])[1] for it in items]
         t0, done = time.time(), []  # (item, text, ended with EOS, length)
         if name.startswith("ours"):
             for it, samples in zip(items, eng.generate(ids, n, max_new_tokens, 1.0)):
@@ -77,7 +78,7 @@ def sampler(prompts, n=8, max_new_tokens=12,
                                  end is not None, len(row)))
         k = len(done)
         eos = sum(d[2] for d in done) / k
-        reward = sum(tasks.reward("arith", d[1], d[0]) for d in done) / k
+        reward = sum(tasks.number_reward([d[1]], [d[0]["answer"]])[0] for d in done) / k
         print(f"{name:30s} {k} completions: ended with EOS {eos:.3f} (se "
               f"{(eos * (1 - eos) / k) ** 0.5:.3f}), reward {reward:.3f} (se "
               f"{(reward * (1 - reward) / k) ** 0.5:.3f}), mean length "

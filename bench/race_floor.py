@@ -111,12 +111,12 @@ def main(argv=None):
         race = json.load(f)
     from transformers import AutoConfig, AutoTokenizer
 
-    from support.tasks import chat_prompt
+    from support.rewards import templated
     from support.tasks import load_task
     config, tok = AutoConfig.from_pretrained(a.model), AutoTokenizer.from_pretrained(a.model)
     G, T = int(race["settings"]["NUM_GENERATIONS"]), int(race["settings"]["MAX_NEW_TOKENS"])
-    prompts = [chat_prompt(tok, it["question"])[1] for it in load_task(race["settings"]["TASK"],
-                                                                       "train")[:64]]
+    prompts = [templated(tok, row["prompt"])[1] for row in load_task(race["settings"]["TASK"],
+                                                                      "train")[:64]]
     prefix = len(os.path.commonprefix(prompts))
     best = best_rates(config)
     print(f"{a.model}: best fp32 rates in CPU time, GFLOP/s: " + ", ".join(

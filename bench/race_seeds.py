@@ -10,7 +10,8 @@ glibc's malloc kept, as the probe chose in docs/race.md's result; only the last 
 scores its final adapter with `rollout.py --eval` on all held-out problems (bench_vs_trl.evaluate,
 the command jobs.sh uses), and writes OUT/trl-seedS.json: the accuracy, one "0"/"1" a problem, the
 per-step rewards, the training time, the commit and the machine. A seed whose file exists is
-skipped, so a second call continues where a first was stopped.
+skipped, and a seed stopped mid-run resumes from its newest checkpoint (every --save-every steps,
+with AdamW's state, the schedule and the RNGs), so a second call continues where a first stopped.
 
 Ours' seeds come from bench/bench_sampler_mismatch.py (its runs.jsonl, one record a run):
 at TRL's settings `--staleness 0 --env ZERO_VARIANCE=keep --prefix gap`, at the local defaults
@@ -65,8 +66,8 @@ def run_trl_seeds(a):
     settings = bench_vs_trl.jobs_defaults()
     steps = a.steps or int(settings["STEPS"])
     ns = argparse.Namespace(trl_venv=a.trl_venv, model=os.path.abspath(a.model), steps=steps,
-                            eval_every=steps, trl_threads=a.trl_threads, trl_malloc=a.trl_malloc,
-                            eval_limit=0)
+                            eval_every=a.save_every, trl_threads=a.trl_threads,
+                            trl_malloc=a.trl_malloc, eval_limit=0, resume=True)
     bench_vs_trl.ensure_model(ns.model)
     os.makedirs(a.out, exist_ok=True)
     for seed in a.seeds:
@@ -82,7 +83,8 @@ def run_trl_seeds(a):
                                        os.path.join(work, "eval-final.json"))
         record = {"side": "trl", "seed": seed, "accuracy": result["accuracy"], "n": result["n"],
                   "correct": bench_vs_trl.scored(result)["correct"], "steps": steps,
-                  "train_s": round(run["train_s"], 1), "threads": ns.trl_threads,
+                  "train_s": round(run["train_s"], 1), "attempts": attempts(work),
+                  "threads": ns.trl_threads,
                   "malloc": ns.trl_malloc, "contention": run["contention"],
                   "rewards": [round(c["reward"], 4) for c in run["curve"]],
                   "commit": commit(a.commit), "machine": machine()}
@@ -91,6 +93,13 @@ def run_trl_seeds(a):
         os.replace(path + ".tmp", path)
         bench_vs_trl.log(f"seed {seed}: TRL {100 * record['accuracy']:.1f}% after "
                          f"{record['train_s']:.0f} s of training -> {path}")
+
+
+def attempts(work):
+    """How many processes trained this seed (each resumed from the last one's checkpoint):
+    train_s is the last one's."""
+    with open(os.path.join(work, "trl", "steps.jsonl")) as f:
+        return sum(json.loads(line)["event"] == "train_begin" for line in f)
 
 
 def load_records(folders):
@@ -158,6 +167,8 @@ def main(argv=None):
     t.add_argument("--trl-venv", default=os.path.join(ROOT, "runs/.venv-trl"))
     t.add_argument("--trl-threads", type=int, default=2)
     t.add_argument("--trl-malloc", choices=("glibc", "kept"), default="kept")
+    t.add_argument("--save-every", type=int, default=5,
+                   help="TRL's checkpoints (whole: a stopped seed resumes from the newest)")
     t.add_argument("--commit", help="the commit the code is from (default: git's HEAD of ROOT)")
     s = sub.add_parser("table", help="the table of the seeds in the folders given")
     s.add_argument("folders", nargs="+")
