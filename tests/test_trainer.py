@@ -105,6 +105,30 @@ def test_microbatched_gradient_equals_full_batch(lora_model, loss_type, beta):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_a_step_split_into_shares_sums_to_the_whole_step(lora_model, loss_type):
+    """What data parallel relies on (support/data_parallel.py's share_of_step): compute_loss_and_backward given the
+    step's micro-batches with the others emptied ([]) computes its share with the whole step's normalisers, so the
+    shares' losses and gradients sum to the step's, at every loss_type (bnpo too: the split is the same)."""
+    model, params = lora_model, trainer_state.lora_parameters(lora_model)
+    seqs = trainer.flatten_groups(fake_groups(model, 4, seed=5), 64)
+    advantages = grpo_loss.group_advantages(torch.tensor([s["reward"] for s in seqs]), G)  # (B,)
+    mbs = shared_prompt.make_microbatches(seqs, 60)
+
+    def step(microbatches):
+        model.zero_grad(set_to_none=True)
+        stats = trainer.compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type=loss_type,
+                                                  max_completion_length=16)
+        return stats["loss"], [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+    whole_loss, whole = step(mbs)
+    (loss0, share0), (loss1, share1) = [step([mb if k % 2 == r else [] for k, mb in enumerate(mbs)]) for r in (0, 1)]
+    assert len(mbs) >= 3 and sum(g.abs().sum() for g in share0) > 0 and sum(g.abs().sum() for g in share1) > 0
+    assert loss0 + loss1 == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
+    for a, b, w in zip(share0, share1, whole):
+        torch.testing.assert_close(a + b, w, rtol=1e-4, atol=1e-6)
+
+
 def test_state_round_trip_restores_weights_optimizer_and_rng(tiny_model, tmp_path):
     """What a resume loads is what was saved: LoRA weights, AdamW moments, RNG streams."""
     bucket = str(tmp_path / "bucket")
