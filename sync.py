@@ -22,7 +22,9 @@ support/buckets.py.
 A mounted bucket is eventually consistent (a file can appear before its bytes, LATEST before the
 files it names), so pull_adapter hands out a version only once every file matches manifest.json.
 Whoever can write the bucket (replicas hold its keys) could plant anything: every name and number
-read from it is checked, and a value that does not fit is a BucketError, never a path outside it.
+read from it is checked, and a value that does not fit is a BucketError, never a path outside it;
+each read is bounded (a size per key, the manifest's byte counts, JSON depth: support/buckets.py),
+so an object too large or too deep is a BucketError too (Foreign), never a MemoryError.
 Who wrote a version, support/adapter_tags.py: with ADAPTER_KEY (the trainer and the replicas),
 each manifest and LATEST carry an HMAC tag ("tag"), and a replica refuses a version or a LATEST
 without one (Untrusted); with TRAINER_STATE_KEY (the trainer alone), each manifest also carries
@@ -263,15 +265,43 @@ def listing(bucket):
     return "\n".join(lines)
 
 
+def pull_command(args, key):
+    """python sync.py pull: the version asked for (default: LATEST's) into args.dest."""
+    b = open_bucket(args.bucket)
+    version = latest_version(b, key) if args.version is None else args.version
+    if version is None:
+        raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one first "
+                          "(python sync.py push BUCKET DIR --version 0)")
+    print(pull_adapter(b, version, args.dest, timeout=args.timeout, key=key))
+
+
+def push_command(args, key):
+    """python sync.py push: a PEFT folder as version args.version."""
+    m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep, key=key)
+    size = sum(f["bytes"] for f in m["files"].values()) / 1e6
+    print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to {args.bucket}")
+
+
+def metrics_command(args, key):
+    """python sync.py metrics: one JSON line per step record."""
+    for record in read_metrics(args.bucket):
+        print(json.dumps(record))
+
+
 def main(argv=None):
-    """python sync.py ls|pull|push|metrics BUCKET ..."""
+    """python sync.py ls|pull|push|metrics BUCKET ... Each subcommand's parser names the function
+    that runs it (set_defaults(run=f), f(args, key)); a new one is a parser and a function."""
     p = argparse.ArgumentParser(description="Inspect and move LoRA adapters in a run's bucket.")
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list adapter versions with sizes, ages and LATEST")
+    ls.set_defaults(run=lambda args, key: print(listing(args.bucket)))
     pull = sub.add_parser("pull", help="download and verify one adapter version")
+    pull.set_defaults(run=pull_command)
     push = sub.add_parser("push", help="publish a PEFT adapter folder as a new version")
+    push.set_defaults(run=push_command)
     metrics = sub.add_parser("metrics",
                              help="print the trainer's step records as JSON lines, oldest first")
+    metrics.set_defaults(run=metrics_command)
     for cmd in (ls, pull, push, metrics):
         cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
     pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")
@@ -284,25 +314,8 @@ def main(argv=None):
     push.add_argument("--keep", type=int, default=6,
                       help="newest versions kept; older ones are deleted")
     args = p.parse_args(argv)
-    key = adapter_key()  # env ADAPTER_KEY: pull checks the trainer's tags, push writes them
-    try:
-        if args.cmd == "ls":
-            print(listing(args.bucket))
-        elif args.cmd == "metrics":
-            for record in read_metrics(args.bucket):
-                print(json.dumps(record))
-        elif args.cmd == "pull":
-            b = open_bucket(args.bucket)
-            version = latest_version(b, key) if args.version is None else args.version
-            if version is None:
-                raise BucketError(f"{b.url} holds no adapter yet (no adapters/LATEST): publish one "
-                                  "first (python sync.py push BUCKET DIR --version 0)")
-            print(pull_adapter(b, version, args.dest, timeout=args.timeout, key=key))
-        else:
-            m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep, key=key)
-            size = sum(f["bytes"] for f in m["files"].values()) / 1e6
-            print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to "
-                  f"{args.bucket}")
+    try:  # env ADAPTER_KEY: pull checks the trainer's tags, push writes them
+        args.run(args, adapter_key())
     except BucketError as e:
         sys.exit(f"sync.py: error: {e}")
 

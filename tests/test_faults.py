@@ -28,6 +28,7 @@ test starts from every role alive and ends by checking that none died on its own
    missing bucket are in test_rollout.py, test_trainer.py and test_sync.py.)
 """
 
+import contextlib
 import json
 import os
 import random
@@ -337,6 +338,47 @@ def test_directory_bucket_outage_trainer_retries_replicas_keep_serving(running):
     assert set(range(1, last + 1)) <= {m["step"] for m in recs}, "a metrics line was lost"
     print(f"\nbucket folder gone for 6 s: the trainer retried and went on to step {last}; replicas {serving} "
           "kept serving their adapter")
+
+
+def test_what_a_bucket_writer_plants_ahead_of_the_trainer_does_not_end_the_run(running):
+    """Issue 48, cases 3-5 in a running system (both keys): with the trainer frozen (SIGSTOP), a
+    bucket writer plants empty folders at the metrics records of its next steps and at the weights
+    of a version it will publish, a complete manifest whose tags are "é" at the version after,
+    and a sparse 1 TiB adapters/LATEST. The trainer removes each folder (one stderr line each),
+    replaces the foreign manifest, and keeps stepping; every step keeps its metrics record; no
+    role dies (the fixture checks). Before: "Is a directory" retried for --bucket-retry, then the
+    end of the run; a TypeError at the manifest; a MemoryError at LATEST."""
+    s = running
+    b = buckets.open_bucket(s.bucket)
+    next_step(s)
+    s.trainer.signal(signal.SIGSTOP)
+    try:
+        step, version = map(int, STEP.findall(s.trainer.current())[-1])  # v{version}: that step's policy
+        # the trainer may be frozen inside step + 1's metrics write or v{version + 1}'s publish
+        for k in (2, 3):
+            os.makedirs(os.path.join(s.bucket, "metrics", f"step-{step + k:06d}.json"))
+        os.makedirs(os.path.join(s.bucket, "adapters", f"v{version + 2:06d}", "adapter_model.safetensors"))
+        own = sync.versions(b)[-1]  # a version of the trainer's: its files, its manifest with other tags
+        manifest = json.loads(b.read(f"adapters/v{own:06d}/manifest.json"))
+        for name in manifest["files"]:
+            b.write(f"adapters/v{version + 3:06d}/{name}", b.read(f"adapters/v{own:06d}/{name}"))
+        b.write(f"adapters/v{version + 3:06d}/manifest.json",
+                json.dumps({**manifest, "version": version + 3, "tag": "é", "trainer_tag": "é"}).encode())
+        huge = os.path.join(s.bucket, "adapters", "huge")
+        with open(huge, "wb") as f:
+            f.truncate(1 << 40)
+        os.replace(huge, os.path.join(s.bucket, "adapters", "LATEST"))
+    finally:
+        s.trainer.signal(signal.SIGCONT)
+    s.trainer.wait_for(rf"^step {step + 3} ", 120)
+    s.trainer.wait_for(rf"^published v{version + 3} at step ", 120)
+    text = s.trainer.current()
+    for key in [f"metrics/step-{step + k:06d}.json" for k in (2, 3)] + \
+            [f"adapters/v{version + 2:06d}/adapter_model.safetensors"]:
+        assert f"{s.bucket}: {key} was a folder, which sync.py never writes there: removed" in text, text[-3000:]
+    assert f"adapters/v{version + 3:06d}/ holds a manifest this trainer did not write" in text, text[-3000:]
+    assert {step + 2, step + 3} <= {r["step"] for r in buckets.read_metrics(b)}
+    assert sync.latest_version(b, chaos.BUCKET_KEYS["ADAPTER_KEY"]) >= version + 3
 
 
 def test_s3_outage_is_retried_and_readers_keep_what_they_have(tmp_path, capfd):
@@ -729,3 +771,133 @@ def test_a_corrupt_adapter_is_reported_as_corrupt_by_the_replica(tiny_model, bad
     text = log.read_text()
     assert re.search(r"adapter v1 is corrupt, still serving v0: .*adapter v000001 is corrupt", text), text[-3000:]
     assert "a mount lagging" not in text and text.count("is corrupt, still serving") == 1, text[-3000:]
+
+
+# ---- issue 48: what a bucket writer plants, met by a restarted trainer and by a replica
+
+@pytest.fixture(scope="module")
+def keyed_bucket(tiny_model, tmp_path_factory):
+    """A bucket a trainer with both keys started (v0 and its resume state)."""
+    bucket = str(tmp_path_factory.mktemp("keyed") / "bucket")
+    with serving_proxy() as url:
+        r = subprocess.run(trainer_cmd(tiny_model, bucket, url), cwd=ROOT, env={**ENV, **KEYS},
+                           capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "published v0 at step 0" in r.stdout, r.stderr[-2000:]
+    return bucket
+
+
+@contextlib.contextmanager
+def serving_proxy():
+    """A fresh proxy (it remembers the trainer's versions) on a free port; yields its URL."""
+    server, _ = proxy.serve(port=0, num_generations=8, max_new_tokens=4)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def plant_sparse(path, size=1 << 40):
+    """A sparse file of `size` bytes (1 TiB: no disk, but reading it whole needs 1 TiB of memory)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.isfile(path):
+        os.remove(path)
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def plant_copy_of_v0(bucket, version, **fields):
+    """v0's files as `version`, its manifest with `fields` changed."""
+    src, dest = os.path.join(bucket, "adapters", "v000000"), os.path.join(bucket, "adapters", f"v{version:06d}")
+    shutil.copytree(src, dest)
+    manifest = json.load(open(os.path.join(dest, "manifest.json")))
+    with open(os.path.join(dest, "manifest.json"), "w") as f:
+        json.dump({**manifest, "version": version, **fields}, f)
+
+
+def plant_for_restart(bucket, what):
+    latest = os.path.join(bucket, "adapters", "LATEST")
+    if what == "a 1 TiB LATEST":
+        plant_sparse(latest)
+    elif what == "a LATEST 30,000 brackets deep":
+        open(latest, "w").write("[" * 30_000 + "]" * 30_000)
+    elif what == "tags that are not ASCII at v1":
+        plant_copy_of_v0(bucket, 1, tag="é", trainer_tag="é")
+    elif what == "2,000 one-file folders":
+        for v in range(1, 2001):
+            os.makedirs(os.path.join(bucket, "adapters", f"v{v:06d}"))
+            open(os.path.join(bucket, "adapters", f"v{v:06d}", "x"), "w").close()
+    else:  # folders at LATEST and at the weights of v1
+        os.remove(latest)
+        os.makedirs(latest)
+        os.makedirs(os.path.join(bucket, "adapters", "v000001", "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("what, published, said", [
+    pytest.param("a 1 TiB LATEST", 1, 'passed over: adapters/LATEST (not {"version": N})', id="latest-1TiB"),
+    pytest.param("a LATEST 30,000 brackets deep", 1, 'passed over: adapters/LATEST (not {"version": N})',
+                 id="latest-deep"),
+    # v1: the one folder after the trainer's own read as a publish cut short
+    pytest.param("tags that are not ASCII at v1", 2, None, id="tags-not-ascii"),
+    pytest.param("2,000 one-file folders", 2, "passed over: adapters/v000002/, adapters/v000003/",
+                 id="2000-folders"),
+    pytest.param("folders at LATEST and at v1's weights", 1,
+                 "adapters/LATEST was a folder, which sync.py never writes", id="folders-at-files"),
+])
+def test_a_restarted_trainer_passes_over_what_a_bucket_writer_planted(tiny_model, keyed_bucket, tmp_path,
+                                                                      what, published, said):
+    """Issue 48, cases 3, 4, 5 and 7 at a restart (both keys): each planted object is named (or
+    passed over as not the trainer's) and the trainer publishes its next version after its own:
+    no MemoryError, RecursionError or TypeError, no "Is a directory" retried until the run ends,
+    no version 2,001. (--bucket-retry 5: an error retried ends the run in seconds.)"""
+    bucket = str(tmp_path / "bucket")
+    shutil.copytree(keyed_bucket, bucket)
+    plant_for_restart(bucket, what)
+    with serving_proxy() as url:
+        r = subprocess.run(trainer_cmd(tiny_model, bucket, url, "--bucket-retry", "5"), cwd=ROOT,
+                           env={**ENV, **KEYS}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-1000:] + r.stderr[-3000:]
+    assert f"published v{published} at step 0" in r.stdout, r.stdout[-1000:] + r.stderr[-2000:]
+    assert said is None or said in r.stderr, r.stderr[-3000:]
+    assert sync.latest_version(bucket, KEYS["ADAPTER_KEY"]) == published
+
+
+@pytest.mark.parametrize("what", [
+    pytest.param('LATEST tagged "é"', id="latest-not-ascii"),
+    pytest.param("LATEST 30,000 brackets deep", id="latest-deep"),
+    pytest.param("LATEST of 1 TiB", id="latest-1TiB"),
+    pytest.param("v1's weights swapped for 1 TiB", id="weights-1TiB")])
+def test_a_replica_passes_over_a_bucket_object_too_large_deep_or_not_ascii(tiny_model, bad_input, tmp_path, what):
+    """Issue 48, cases 3 and 4 at a replica (ADAPTER_KEY): the proxy announces v1 and the bucket
+    holds one of these; the replica names it once and keeps serving v0 (exit 0 after its batch).
+    Before: a TypeError, RecursionError or MemoryError ended the replica."""
+    bucket = str(tmp_path / "bucket")
+    v0 = sync.pull_adapter(bad_input["bucket"], 0, str(tmp_path / "pulled"))
+    sync.publish_adapter(bucket, v0, 0, key=KEYS["ADAPTER_KEY"])
+    latest = os.path.join(bucket, "adapters", "LATEST")
+    with serving_proxy() as url:
+        log = tmp_path / "replica.log"
+        with open(log, "w") as out:
+            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT,
+                                       env={**ENV, "ADAPTER_KEY": KEYS["ADAPTER_KEY"]}, stdout=out,
+                                       stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
+            time.sleep(0.2)
+        if what == 'LATEST tagged "é"':
+            open(latest, "w").write(json.dumps({"version": 1, "tag": "é"}))
+        elif what == "LATEST 30,000 brackets deep":
+            open(latest, "w").write("[" * 30_000 + "]" * 30_000)
+        elif what == "LATEST of 1 TiB":
+            plant_sparse(latest)
+        else:  # the trainer's v1, tagged; then its weights swapped by a bucket writer
+            sync.publish_adapter(bucket, v0, 1, key=KEYS["ADAPTER_KEY"])
+            plant_sparse(os.path.join(bucket, "adapters", "v000001", "adapter_model.safetensors"))
+        proxy_client.ProxyClient(url).set_version(1)
+        assert replica.wait(timeout=180) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    said = {'LATEST tagged "é"': "adapter v1 refused (not the trainer's), still serving v0: ",
+            "LATEST 30,000 brackets deep": "cannot check the bucket for a newer adapter, still serving v0: ",
+            "LATEST of 1 TiB": "cannot check the bucket for a newer adapter, still serving v0: ",
+            "v1's weights swapped for 1 TiB": "adapter v1 is corrupt, still serving v0: "}[what]
+    assert said in text and "Traceback" not in text and "adapter v1 loaded" not in text, text[-3000:]
