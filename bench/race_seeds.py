@@ -41,7 +41,8 @@ import bench_vs_trl  # noqa: E402
 import race_stats  # noqa: E402
 
 SIDES = {"trl": "TRL `GRPOTrainer`", "ours-trl-settings": "ours, `MAX_STALENESS=0`, `keep`",
-         "ours-defaults": "ours, local defaults (`MAX_STALENESS=2`, `sampler`)"}
+         "ours-defaults": "ours, local defaults (`MAX_STALENESS=2`, `sampler`)",
+         "ours-trainer-transformers-sampling": "ours' trainer, transformers' sampling (swap)"}
 
 
 def machine():
