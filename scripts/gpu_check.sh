@@ -61,6 +61,9 @@ if [ -z "$gpu" ] && [ -z "${GPU_CHECK_ALLOW_CPU:-}" ]; then
 fi
 echo "[gpu_check] mode $mode on ${gpu:-the CPU (GPU_CHECK_ALLOW_CPU=1)}," \
      "$("$PY" -c 'import torch; print("torch", torch.__version__)')"
+# the machine, as each GPU job prints it: driver, CUDA, torch's CUDA build, GPU memory
+"$PY" scripts/gpu_tools.py machine ||
+  fail machine "torch's CUDA needs a newer driver than this machine's (the line above)"
 t0=$SECONDS
 NAME=${NAME:-gpu-check-$mode-$(date +%Y%m%d-%H%M%S)}
 RUN=runs/$NAME

@@ -203,6 +203,7 @@ def test_gpu_check_small_mode_runs_on_a_cpu_when_allowed():
                              env=dict(env, GPU_CHECK_ALLOW_CPU="1"), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         verdicts = [line for line in res.stdout.splitlines() if line.startswith("[gpu_check] ")]
+        assert "\n[machine] torch " in res.stdout, res.stdout[:2000]  # its machine, as a GPU job's
         for want in ["PASS engine: hf on cpu", "PASS hot reload", "PASS step 1: importance ratio",
                      "PASS exits: proxy 0, replica 0, trainer 0", "[gpu_check] passed"]:
             assert any(want in v for v in verdicts), (want, verdicts)
