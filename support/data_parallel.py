@@ -31,8 +31,10 @@ counts the tokens, rows and micro-batches of the list it is given: each rank get
 list with the other ranks' micro-batches as [], which forward nothing), so the summed gradient
 is the one-process gradient, every rank's AdamW step the same, and the resume state rank 0
 saves (the full LoRA + AdamW) fits any N, with or without --fsdp (tests/test_data_parallel.py).
-A rank that dies: torchrun's agent ends the others and exits non-zero naming it; a collective
-that fails, or waits longer than the process group's timeout, is a TrainerError naming the rank.
+A rank that dies: torchrun's agent ends the others and exits non-zero naming it. On gloo, a
+collective that fails, or waits longer than the process group's timeout, is a TrainerError naming
+the rank; under NCCL a timed-out collective aborts the process (torch's watchdog, no exception)
+and torchrun's agent names the rank.
 
 This module imports no role file.
 """
