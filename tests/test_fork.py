@@ -10,6 +10,8 @@
    and shows the proxy dying on the import.
 2. The table of "the variables you are most likely to change" (## Running): every default in
    backticks is the one jobs.sh sets, in the same mode.
+3. "Your own task" (## Running): its commands, run as written with HOME in a temporary folder,
+   make the dataset and the reward file, and the task check jobs.sh runs first passes on them.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_fork.py
 """
@@ -182,3 +184,33 @@ def test_the_readme_variables_are_jobs_sh_defaults():
                 assert defaults[mode].get(var) == value, (var, mode, value)
                 checked += 1
     assert checked > len(rows), checked
+
+
+# ---- "Your own task"
+
+def test_the_own_task_example_makes_a_task_that_checks_out(tmp_path):
+    """README's commands as written (HOME is a temporary folder; jobs.sh's run replaced by the
+    task check jobs.sh runs before it starts anything, `python -m support.rewards`): 121 rows,
+    the reward file imports, the check is on, and the function scores a right answer 1."""
+    lines = readme_section("Running")
+    start = lines.index("### Your own task")
+    first = lines.index("```bash", start) + 1
+    block = lines[first:lines.index("```", first)]
+    script = "\n".join(block)
+    assert script.count("bash jobs.sh --local") == 1
+    check = ("bash -c '\"$0\" -m support.rewards --dataset \"$DATASET\" "
+             "--reward-funcs $REWARD_FUNCS' ")
+    script = script.replace("bash jobs.sh --local", check + shlex.quote(sys.executable))
+    env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(["bash", "-euc", script], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "108 train rows, 13 test rows; reward functions correct x1" in r.stdout, r.stdout
+    assert "reward check: on" in r.stdout
+    from support import rewards
+
+    task = rewards.make_task({"dataset": str(tmp_path / "times" / "rows.jsonl"),
+                              "reward_funcs": [f"{tmp_path / 'times' / 'reward.py'}:correct"]})
+    row = task.rows("train")[0]
+    got = task.score(row, [f"It is {row['answer']}.", "It is 1."], [[1], [2]], "r")[0]
+    assert got == [1.0, 0.0]

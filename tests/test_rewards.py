@@ -428,3 +428,19 @@ def test_the_math_check_costs_bounded_time_per_step(tiny_model, monkeypatch):
                                     "its sender sent an unverifiable group before")
     assert check.problem(dict(later, worker="honest")) is None
     assert check.lap() < tasks.MATH_GROUP_BUDGET_S
+
+
+def test_the_built_in_prompts_are_the_chat_template_of_one_user_message(tiny_model):
+    """The built-in rows are conversational (one user message), so the replica feeds the engine
+    the ids it fed before the tasks became TRL-form functions: the default run is unchanged."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for row in tasks.load_task("arith", "train")[:3] + tasks.load_task("toy", "train"):
+        text = tok.apply_chat_template([{"role": "user", "content": question(row)}],
+                                       add_generation_prompt=True, tokenize=False)
+        assert rewards.templated(tok, row["prompt"]) == \
+            (text, tok(text, add_special_tokens=False)["input_ids"])
+    # a plain string is not templated (TRL's rule): its ids are the tokenizer's of the string
+    assert rewards.templated(tok, "What is 1 + 1?") == ("What is 1 + 1?",
+                                                        tok("What is 1 + 1?")["input_ids"])
