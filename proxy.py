@@ -6,10 +6,12 @@ The proxy's part of a GRPO step, in this file's order (the state, all of it in R
                       oldest first (RolloutBuffer.take, GET /batch)
     9-10. handshake   the trainer announces each adapter version (set_version, POST /version);
                       each replica asks how many groups to make (quota, GET /quota)
-The contract (CONTRACT: the settings every role reads from GET /config) and the group record
-(GROUP) are shared by all three roles: support/contract.py. The rest is support, not
-needed to follow a step: support/leases.py (the lease arithmetic, add()'s checks, counters),
-support/proxy_service.py (credentials, the HTTP routes), support/http_hardening.py.
+RolloutBuffer is complete for valid groups from honest replicas. What a service on the internet
+adds around it, without a line inside it: support/worker_bounds.py's GuardedBuffer (the checks
+a hostile or broken peer meets, one worker's bounded share, the leases of an unequal pool paced
+by speed), support/proxy_service.py (credentials, HTTP), support/http_hardening.py. The contract
+(CONTRACT: the settings every role reads from GET /config) and the group record (GROUP):
+support/contract.py.
 
     any token (the trainer's or a replica's):
     GET  /config    the contract          GET  /quota     a replica: how many groups to make now
@@ -34,121 +36,78 @@ docs/protocol.md; hostile peers: docs/hostile-peers.md. Tokens travel as `X-Prox
 import collections
 import json
 import logging
+import math
 import sys
 import threading
-import time
 
-from support.contract import CONTRACT, MAX_NAME, NAME, ConfigError, check_contract
-from support.http_hardening import ApiError
-# RolloutBuffer's lease sizing, add()'s checks and its bookkeeping: mixins in support/leases.py
-from support.leases import (WORKER_COUNTS, AddChecks, BufferRecords, Lease, LeaseSizing,
-                            group_bytes)
 from support.cli import proxy_args
-from support.proxy_service import (ProxyHandler, ProxyServer, body_limit, check_service,
-                                   replica_token, run_until_done, settle)
-# one worker's bounded share of a step, the trainer's drops: a mixin in support/worker_bounds.py
-from support.worker_bounds import MAX_WORKER_SHARE, WorkerBounds
+from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, MAX_NAME, NAME,
+                              ConfigError, check_contract, check_fields, validate_rollouts)
+from support.http_hardening import ApiError, check, parse_query, query_int, query_seconds
+from support.proxy_service import (LIMITS, ProxyHandler, ProxyServer, body_limit, check_service,
+                                   read_reports, replica_token, run_until_done, settle)
+from support.worker_bounds import MAX_WORKER_SHARE, GuardedBuffer
 
 log = logging.getLogger("proxy")
+
+# --zero-variance drop: a lease is scaled up by 1 / the share of its replica's groups kept lately,
+# at most 1 / MIN_KEPT times
+MIN_KEPT = 0.125
 
 
 # ---- ALGO: the run's state, under one lock: 4-5. the buffer  9-10. the version handshake
 
-class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
-    """The run's state: a queue of usable groups (oldest adapter first) bounded in groups and
-    bytes, the trainer's version and pace, the replicas' leases and paces. accepted = delivered +
-    dropped_stale + dropped_zero_variance + buffered, always. Its lease arithmetic, add()'s
-    checks and its counters are mixins in support/leases.py."""
+class RolloutBuffer:
+    """The run's state: the usable groups (oldest adapter first), the trainer's version, the
+    groups this step took, the groups each replica was leased and has not delivered yet.
+    Complete for valid groups (support/contract.py's validate_rollouts) from honest replicas."""
 
-    def __init__(self, contract=None, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000,
-                 lease_timeout=120.0, max_worker_share=MAX_WORKER_SHARE):
+    def __init__(self, contract=None):
         c = self.contract = dict(CONTRACT, **(contract or {}))
         check_contract(c)  # ConfigError naming a setting that cannot work
         self.cond = threading.Condition()  # one lock for all of it
-        # the state the step reads: the buffer (oldest adapter first), the trainer's version,
-        # the groups delivered at that version (a step may take them in parts), the leases
-        self.groups = collections.deque()
+        self.groups = collections.deque()  # usable groups, oldest adapter first
         self.trainer_version = None  # unknown until the trainer announces itself (POST /version)
-        self.taken = 0
-        self.leases = {}  # worker -> Lease (n 0: asking)
-        self.done, self.closed, self.started = False, False, time.time()
-
-        # ---- bookkeeping for the mixins of support/leases.py and support/worker_bounds.py
-        self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
-        self.lease_timeout, self.max_worker_share = lease_timeout, max_worker_share
-        self.nbytes = 0  # group_bytes() of the buffered groups
-        self.seen, self.seen_order = set(), collections.deque()  # the last `remember_ids` group_ids
-        self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance",
-                                     "refused_full", "returned", "rejected",
-                                     "refused_connections", "closed_idle",
-                                     "dropped_by_trainer"], 0)
-        self.workers = {}  # worker name -> its own WORKER_COUNTS
-        # when the trainer announced its version (monotonic s); lately (moving averages): seconds
-        # per version, and seconds from a version's announcement to its batch complete (its wait)
-        self.version_at, self.step_s, self.fill_s = None, None, 0.0
-        # the groups taken at this version per worker, and their group_ids (POST /reject)
-        self.taken_by, self.taken_ids = collections.Counter(), {}
-        # the trainer's drops: worker -> why it is banned, worker -> groups the trainer dropped
-        self.banned, self.trainer_drops = {}, {}
-        self.pace = {}  # worker -> seconds per group it delivered lately (moving average)
-        # a replica too slow to be leased (_quota) is probed with one group this long after its
-        # last delivery (seconds, doubled per probe), in case it got faster; and when
-        self.probe_gap, self.delivered_at = {}, {}
-        # for main(): who heard "done", and when the last request came
-        self.told_done, self.last_request = set(), time.monotonic()
-        # drop mode: did recent groups have unequal rewards?
-        self.recent_usable = collections.deque(maxlen=128)
-        # groups asked for by GET /batch calls blocked for lack of them (see stats())
-        self.waiting = 0
-        # trainer_version - policy_version of the delivered groups
-        self.staleness = collections.Counter()
-        self.unconfirmed, self.deliveries = {}, 0  # delivery id -> (groups, version): see take()
+        self.taken = 0  # groups handed out at this version (a step may take them in parts)
+        self.leases = {}  # worker -> groups /quota leased it that have not arrived yet
+        self.kept = {}  # drop mode: worker -> did its last 128 groups have a signal?
+        self.done = self.closed = False
 
     # ---- ALGO, 4-5. the buffer: replicas add groups, the trainer takes them, oldest adapter first
 
-    def add(self, groups, limited=False):
-        """Buffer the new, usable groups of a validated POST; 429 (nothing kept) when they don't
-        fit. `limited` (a replica's credential): new groups beyond the sender's lease are counted,
-        dropped."""
-        self._fits(groups)  # 413: more than the whole buffer
+    def add(self, groups):
+        """Buffer the usable groups of a POST: one more than --max-staleness versions behind the
+        trainer is dropped, and under --zero-variance drop one whose rewards are all equal
+        (DAPO: no signal). Each group counts against its sender's lease."""
         with self.cond:
-            t = self.trainer_version
-            self._not_ahead(groups, t)  # 409: a group no adapter of the trainer made
-            self._not_banned({g["worker"] for g in groups})  # 403: the trainer caught its sender
-            # a group_id seen before, or twice in this POST, is a retry: counted, not kept
-            new, dups, over = self._new(groups, limited)
-            self.counts["received"] += len(groups)
-            fresh, flat = [g for g in new if self._usable(g)], []  # too stale: dropped
-            if self.contract["zero_variance"] == "drop":  # equal rewards: no signal (DAPO)
-                fresh, flat = self._varied(fresh)
-            size = self._room(fresh, len(groups))  # 429, nothing kept, when the buffer is full
-            self._remember(new, dups, over, flat)  # the ids, the counters, the senders' leases
+            usable = [g for g in groups if self._usable(g)]
+            fresh = [g for g in usable if self._varied(g)]
+            if self.contract["zero_variance"] == "drop":  # each replica's share kept: _lease_size
+                for g in usable:
+                    mine = self.kept.setdefault(g["worker"], collections.deque(maxlen=128))
+                    mine.append(self._varied(g))
+            for w in (g["worker"] for g in groups if self.leases.get(g["worker"], 0) > 0):
+                self.leases[w] -= 1
             self._buffer(fresh)
-            self.nbytes += size
             self.cond.notify_all()
-            return {"accepted": len(new), "duplicates": len(dups),
-                    "stale": len(new) - len(fresh) - len(flat), "zero_variance": len(flat),
-                    "over_quota": len(over), "trainer_version": t}
+            return {"accepted": len(groups), "stale": len(groups) - len(usable),
+                    "zero_variance": len(usable) - len(fresh),
+                    "trainer_version": self.trainer_version}
 
-    def take(self, n, timeout, gone=lambda: False, ack=None):
-        """(groups, version, delivery): up to n usable groups, oldest first, waiting up to
-        `timeout` s for n (no busy wait); none if `gone()`. With `ack` (the last delivery the client
-        read, 0: none), the answer is a delivery held until confirmed: by the next take's ack or by
-        set_version. One not confirmed then was never read (a trainer killed with it unread): back
-        to the buffer."""
+    def take(self, n, timeout, gone=lambda: False):
+        """(groups, version): the n oldest usable groups, waiting up to `timeout` s for n (no
+        busy wait; fewer at the timeout or the end); none if `gone()` (the client left)."""
         with self.cond:
             # the client answers this by announcing its version again
             if self.trainer_version is None:
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy "
                                "forgets it)", 409, payload={"need_version": True})
-            self._confirm(ack)  # the trainer read delivery `ack`; any other went unread: back
-            self.waiting += n  # seen by /stats while the wait has released the lock
-            # no busy wait; at most --max-worker-share of a step from one worker while another
-            # supplies (the rest wait for the next step)
-            out = self._take_within_shares(n, timeout, gone)
-            self.waiting -= n
-            self._deliver(out, self.trainer_version)
-            return out, self.trainer_version, self._hold(out, ack)  # until the next ack
+            self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed,
+                               timeout)
+            out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
+            self.taken += len(out)
+            self.cond.notify_all()  # a replica waiting for a quota may now have one
+            return out, self.trainer_version
 
     # ---- ALGO, 9-10. the version handshake: how a new adapter reaches the replicas
     #   a. trainer.publish writes the adapter's files, its manifest, then adapters/LATEST (sync.py)
@@ -168,39 +127,26 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
                                f"{self.trainer_version} (a trainer resumed from older state, or "
                                "another run's trainer? restart the proxy)", 409)
             if version != self.trainer_version:  # counted per trainer version
-                self.taken, self.taken_by, self.taken_ids = 0, collections.Counter(), {}
-            if self.trainer_version is None or version > self.trainer_version:  # the trainer's pace
-                now, t = time.monotonic(), self.trainer_version
-                if t is not None:
-                    sample = (now - self.version_at) / (version - t)
-                    self.step_s = sample if self.step_s is None else (self.step_s + sample) / 2
-                self.version_at = now
+                self.taken = 0
             self.trainer_version = version
-            self.unconfirmed.clear()  # the trainer stepped on what it was handed: read, all of it
             self.cond.notify_all()
-            return {"dropped": self._drop_stale(), "trainer_version": version}
+            return {"dropped": len(self._drop_stale()), "trainer_version": version}
 
     def quota(self, worker, version, most, timeout):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end
-        of the run."""
+        of the run. The answer is the replica's lease: the groups to make now."""
         with self.cond:
-            self._not_banned([worker])  # 403: the trainer caught it (reject)
-            self._bound_leases(worker)  # 429 when MAX_WORKERS other names hold one
-            # A replica asks again once its last groups are out: its lease ends, but it asks.
+            self.leases[worker] = 0  # a replica asks again once its last groups are out
             t0 = self.trainer_version
-            until = time.monotonic() + timeout + self.lease_timeout
-            self.leases[worker] = Lease(0, until, version)
-            self.cond.notify_all()
-            ready = lambda: (self.done or self.closed or self.trainer_version != t0  # noqa: E731
-                             or (t0 is not None and version < t0)  # a newer adapter: at once
-                             or self._quota(worker, version, most)[0] > 0)
-            self._wait_until(ready, timeout)  # also wakes when another's lease expires
+            self.cond.wait_for(lambda: (
+                self.done or self.closed or self.trainer_version != t0
+                or (t0 is not None and version < t0)  # a newer adapter to load: at once
+                or self._quota(worker, version, most)[0] > 0), timeout)
             if self.done:
-                self.told_done.add(worker)
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
             n, why = self._quota(worker, version, most)  # how many: _quota below
-            self._lease(worker, version, n, why)  # its expiry; a slow replica's next probe
+            self.leases[worker] = n
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
 
@@ -208,41 +154,55 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
         """(groups, why) for a replica holding adapter `version`: how many groups to make now so
         that the trainer never waits and no group is older than it must be. The trainer at t
         takes B groups a step; groups made now with v serve trainer versions up to v + S and are
-        wanted one step ahead (t + 1; more for a pool whose leases outlast a trainer step:
-        _ahead). So: the groups of steps t .. min(v + S, t + ahead), less those this step took,
-        those buffered and those leased to replicas that keep up (_coming), at most this
-        replica's share of a step (_lease_size), and only what arrives in time (_in_time).
-        With one replica: min((min(v + S, t + 1) - t + 1) * B - taken - buffered, B) groups."""
-        c, t, now = self.contract, self.trainer_version, time.monotonic()
+        wanted one step ahead (t + 1). So: the groups of steps t .. min(v + S, t + 1), less those
+        this step took, those buffered and those leased to the other replicas (_lack), at most
+        a step's B (_lease_size; at most `most`). With one replica: min((min(v + S, t + 1) - t +
+        1) * B - taken - buffered, B) groups."""
+        leased = sum(n for w, n in self.leases.items() if w != worker)
+        lack, why = self._lack(version, 1, leased)
+        return (self._lease_size(worker, lack, most), None) if lack > 0 else (0, why)
+
+    def _lack(self, version, ahead, leased):
+        """(groups, why): how many groups made now with adapter `version` the trainer lacks: those
+        of steps t .. min(v + S, t + ahead), less those this step took, those buffered and
+        `leased` on their way; 0 and why when none."""
+        c, t = self.contract, self.trainer_version
         S, B = c["max_staleness"], c["groups_per_step"]
         if t is None:
             return 0, "the trainer has not announced itself yet"
         if version < t - S:
             return 0, (f"v{version} is more than max_staleness {S} behind the trainer's v{t}: load "
                        "a newer adapter")
-        # the other replicas' live leases that will arrive in time: groups already coming
-        others = [lease.n for w, lease in self.leases.items()
-                  if self._coming(worker, w, lease, now)]
-        leased = sum(n for n in others if n > 0)
-        horizon = min(version + S, t + self._ahead(worker, 1 + len(others), now))
+        horizon = min(version + S, t + ahead)
         lack = (horizon - t + 1) * B - self.taken - len(self.groups) - leased
         if lack <= 0:
             return 0, (f"the trainer has what it needs up to v{horizon} ({len(self.groups)} groups "
                        f"buffered, {leased} leased to other replicas)")
-        # while others supply, one worker makes at most its share of each step (_cap)
-        if (mine := self._allowance(worker, horizon - t + 1, now)) <= 0:
-            return 0, (f"this worker supplied its share of the steps up to v{horizon} "
-                       f"(--max-worker-share {self.max_worker_share:g}): the others make the rest")
-        n = self._lease_size(worker, min(lack, mine), most, now)
-        return self._in_time(worker, version, n, now)
+        return lack, None
 
-    # ---- the buffer's order and its staleness; the end of the run. The lease arithmetic
-    # (_coming, _ahead, _lease_size, _in_time, _expiry), add()'s checks and the counters: the
-    # mixins in support/leases.py
+    def _lease_size(self, worker, lack, most, step=None):
+        """How many of the `lack` groups one lease holds: at most `most` and a `step` of groups
+        (a whole step's B unless given). Under --zero-variance drop each is scaled up by the share
+        of this replica's groups kept lately, in one lease (one engine batch): Laplace's rule of
+        succession over its recent groups (a prior of one kept, one dropped), so 0 kept of 4
+        reads 1/6; at least MIN_KEPT. Another replica's flat groups do not move it."""
+        step = self.contract["groups_per_step"] if step is None else step
+        kept = 1.0
+        if self.contract["zero_variance"] == "drop":
+            mine = self.kept.get(worker, ())
+            kept = max(MIN_KEPT, (sum(mine) + 1) / (len(mine) + 2))
+        return min(most, math.ceil(lack / kept), max(1, math.ceil(step / kept)))
+
+    # ---- the buffer's order and its staleness; the end of the run
 
     def _usable(self, g):
         t = self.trainer_version
         return t is None or 0 <= t - g["policy_version"] <= self.contract["max_staleness"]
+
+    def _varied(self, g):
+        """Is the group kept: rewards not all equal, or --zero-variance keep?"""
+        return self.contract["zero_variance"] != "drop" or len(
+            {c["reward"] for c in g["completions"]}) > 1
 
     def _buffer(self, groups):
         """Into the buffer in adapter order, oldest first (arrival order within a version): a slow
@@ -253,25 +213,14 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
                 i -= 1
             self.groups.insert(i, g)
 
-    def _deliver(self, groups, version, sign=1):  # sign -1: given back
-        self.nbytes -= sign * sum(map(group_bytes, groups))
-        self._count("delivered", groups, sign)
-        if version == self.trainer_version:  # this step's, in all and per worker
-            self.taken += sign * len(groups)
-            self._taken_from(groups, sign)
-            if sign > 0 and self.taken >= self.contract["groups_per_step"] > self.taken - len(
-                    groups):  # the step's batch is complete: how long it took (its wait)
-                self.fill_s = (self.fill_s + time.monotonic() - self.version_at) / 2
-        for g in groups:
-            self.staleness[version - g["policy_version"]] += sign
-        self.cond.notify_all()  # a replica waiting for a quota may now have one
-
     def _drop_stale(self):
+        """Drop the buffered groups the trainer's version made too stale; returns them."""
         stale = [g for g in self.groups if not self._usable(g)]
         self.groups = collections.deque(g for g in self.groups if self._usable(g))
-        self.nbytes -= sum(map(group_bytes, stale))
-        self._count("dropped_stale", stale)
-        return len(stale)
+        return stale
+
+    def state(self):
+        return "done" if self.done else "waiting" if self.trainer_version is None else "running"
 
     def finish(self):
         """The trainer is done: /quota answers "done" from now on."""
@@ -280,9 +229,55 @@ class RolloutBuffer(LeaseSizing, AddChecks, BufferRecords, WorkerBounds):
             self.cond.notify_all()
             return {"state": "done", "trainer_version": self.trainer_version}
 
+    def close(self):
+        """The server stops: the long polls return."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
-# ---- SUPPORT: serve() and main(), the wiring. The flags: support/cli.py; the HTTP routes and
-# credentials: support/proxy_service.py
+
+# ---- SUPPORT: the routes that reach the buffer, serve() and main(), the wiring. The flags:
+# support/cli.py; credentials and the HTTP hardening: support/proxy_service.py
+
+class Routes(ProxyHandler):
+    """ProxyHandler (the token, its bound worker, the errors) with the routes to the buffer."""
+
+    def _route(self, path, query):
+        b = self.buffer  # serve()'s GuardedBuffer around RolloutBuffer
+        if path == "/rollouts":  # each group checked (400 naming the field) before anything
+            groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
+            for i, g in enumerate(groups):
+                self._check_worker(g["worker"], f"groups[{i}].worker")
+            # a replica's credential: its groups count against its lease
+            return b.add(groups, limited=self.bound is not None)
+        if path == "/batch":
+            q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
+            ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
+            n = query_int(q, "groups", 1, b.max_groups)
+            groups, version, delivery = b.take(n, query_seconds(q), self.peer_gone, ack)
+            answer = {"groups": groups, "trainer_version": version}
+            # a delivery number: the client acknowledges it with its next call
+            return answer if delivery is None else {**answer, "delivery": delivery}
+        if path == "/quota":
+            spec = {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"}
+            q = parse_query(query, spec)
+            check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
+            self._check_worker(q["worker"], "worker")
+            version = query_int(q, "version", 0, MAX_INT - 1)
+            most = query_int(q, "max", 1, MAX_INT - 1)
+            return b.quota(q["worker"], version, most, query_seconds(q))
+        if path == "/version":  # and, from a trainer of this version, what its model takes
+            body = self.read_json()
+            check_fields(body, "body", {"version": INDEX, **{k: v for k, v in LIMITS.items()
+                                                               if k in body}})
+            return b.set_version(body.pop("version"), body)
+        if path == "/reject":
+            return b.reject(read_reports(self.read_json(), b.max_groups))
+        if path == "/done":
+            check_fields(self.read_json(), "body", {})
+            return b.finish()
+        return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
+
 
 def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None,
           token=None, rollout_token=None, request_timeout=30.0, max_connections=256,
@@ -292,11 +287,12 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
     token, rollout_token = token or None, rollout_token or None
     check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
                   request_timeout, max_connections, max_worker_share)  # ConfigError: what to change
-    buffer = RolloutBuffer(settle(contract), max_groups, int(max_buffer_mb * 2**20),
-                           lease_timeout=lease_timeout, max_worker_share=max_worker_share)
+    buffer = GuardedBuffer(RolloutBuffer(settle(contract)), max_groups,
+                           int(max_buffer_mb * 2**20), lease_timeout=lease_timeout,
+                           max_worker_share=max_worker_share)
     max_body = body_limit(buffer.contract) if max_body_mb is None else int(max_body_mb * 2**20)
     # the state of this server bound to its handler class: no module globals
-    handler = type("BoundProxyHandler", (ProxyHandler,), dict(
+    handler = type("BoundRoutes", (Routes,), dict(
         buffer=buffer, token=token, rollout_token=rollout_token, max_body=max_body,
         timeout=request_timeout))
     server = ProxyServer((host, port), handler, max_connections, log_every)

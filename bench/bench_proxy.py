@@ -37,8 +37,9 @@ def fastapi_app(max_groups=4096):
 
     import proxy
     from support import contract, http_hardening
+    from support.worker_bounds import GuardedBuffer
 
-    buffer, app = proxy.RolloutBuffer(max_groups=max_groups), FastAPI()
+    buffer, app = GuardedBuffer(proxy.RolloutBuffer(), max_groups=max_groups), FastAPI()
 
     @app.post("/rollouts")
     async def rollouts(request: Request):

@@ -2,9 +2,9 @@
 RolloutBuffer). Not needed to follow a GRPO step (that is proxy.py, top to bottom).
 
     credentials  the trainer's token, the replicas' secret R, a replica's name bound to R
-    HTTP         the routes (ProxyHandler: each POST checked by support/contract.py's
-                 validate_rollouts before anything changes), the server (ProxyServer); the stdlib
-                 hardening underneath: support/http_hardening.py
+    HTTP         the handler (ProxyHandler: the token, the worker it is bound to, the errors;
+                 the routes to the buffer are proxy.py's Routes), the server (ProxyServer); the
+                 stdlib hardening underneath: support/http_hardening.py
     settings     serve()'s defaults from the contract (settle, body_limit)
 
 Fields and status codes: docs/protocol.md; hostile peers: docs/hostile-peers.md.
@@ -23,9 +23,9 @@ import time
 
 # the stdlib HTTP hardening: deadlines, bounded bodies, connection classes
 from support import http_hardening
-from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, NAME, OLD_NAMES, TEXT,
-                              ConfigError, check_fields, validate_rollouts)
-from support.http_hardening import ApiError, check, parse_query, query_int, query_seconds
+from support.contract import (CONTRACT, INDEX, MAX_INT, NAME, OLD_NAMES, TEXT, ConfigError,
+                              check_fields)
+from support.http_hardening import ApiError
 from support.proxy_client import TOKEN_HEADER
 
 log = logging.getLogger("proxy")
@@ -62,6 +62,8 @@ def replica_worker(secret, got):
 # ---- HTTP: the routes (the hardening a service on the internet needs: support/http_hardening.py)
 
 class ProxyHandler(http_hardening.Handler):
+    """Each request: 404/405, the token (401, 403), then self._route (proxy.py's Routes), its
+    ApiError as the answer; a /batch answer that cannot be written goes back to the buffer."""
     buffer, token, rollout_token = None, None, None  # serve() binds one server's own
 
     def _serve(self):
@@ -125,42 +127,6 @@ class ProxyHandler(http_hardening.Handler):
             raise ApiError(f"{where}: {worker[:80]!r}, but this credential is bound to worker "
                            f"{self.bound!r} (proxy.py --print-replica-token NAME makes one per "
                            "replica)", 403)
-
-    def _route(self, path, query):
-        b = self.buffer
-        if path == "/rollouts":
-            groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
-            for i, g in enumerate(groups):
-                self._check_worker(g["worker"], f"groups[{i}].worker")
-            # a replica's credential: its groups count against its lease
-            return b.add(groups, limited=self.bound is not None)
-        if path == "/batch":
-            q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
-            ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
-            n = query_int(q, "groups", 1, b.max_groups)
-            groups, version, delivery = b.take(n, query_seconds(q), self.peer_gone, ack)
-            answer = {"groups": groups, "trainer_version": version}
-            # a delivery number: the client acknowledges it with its next call
-            return answer if delivery is None else {**answer, "delivery": delivery}
-        if path == "/quota":
-            spec = {"worker": None, "version": None, "max": str(MAX_COMPLETIONS), "timeout": "0"}
-            q = parse_query(query, spec)
-            check(NAME[0](q["worker"]), "worker", f"must be {NAME[1]}")
-            self._check_worker(q["worker"], "worker")
-            version = query_int(q, "version", 0, MAX_INT - 1)
-            most = query_int(q, "max", 1, MAX_INT - 1)
-            return b.quota(q["worker"], version, most, query_seconds(q))
-        if path == "/version":  # and, from a trainer of this version, what its model takes
-            body = self.read_json()
-            check_fields(body, "body", {"version": INDEX, **{k: v for k, v in LIMITS.items()
-                                                               if k in body}})
-            return b.set_version(body.pop("version"), body)
-        if path == "/reject":
-            return b.reject(read_reports(self.read_json(), b.max_groups))
-        if path == "/done":
-            check_fields(self.read_json(), "body", {})
-            return b.finish()
-        return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
 
 
 # POST /version's optional fields: what the trainer's model takes (checked in POST /rollouts)

@@ -15,6 +15,9 @@ its time, and a hostile one.
    400 once the trainer announced its vocabulary, and the trainer never waits for groups
    nobody makes (before, it dropped them after the proxy had counted them as taken, and waited
    until --wait-timeout ended it).
+4. A credential that holds leases it never fills (issue 48, case 1: /quota every 0.2 s, never
+   posting) at max_staleness 0 and, measured after one honest delivery, at 2 with B = 12: every
+   step completes (before, the trainer ended with "have 3/4" and "have 11/12").
 """
 
 import json
@@ -31,7 +34,8 @@ from conftest import ROOT, free_port, wait_port
 from support import buckets
 from support.proxy_client import ProxyClient, ProxyError
 from support.proxy_service import replica_token
-from support.tasks import chat_prompt, completion_text, load_task, reward
+from support.rewards import make_task, templated
+from support.tasks import completion_text
 
 TOKEN, R = "trainer-secret", "replicas-secret"  # PROXY_TOKEN, ROLLOUT_TOKEN
 G, B, S, T = 2, 4, 2, 8  # num_generations, groups_per_step, max_staleness, max_new_tokens
@@ -93,27 +97,28 @@ def toy_group(replica, version, oov=False):
 
 
 class Arith:
-    """arith groups as rollout.py makes them (the item's prompt, rewards from the decoded ids),
-    or with every reward claimed 1.0 (lie)."""
+    """arith groups as rollout.py makes them (the row's prompt, rewards from the decoded ids by
+    the task's reward function), or with every reward claimed 1.0 (lie)."""
 
     def __init__(self, model):
         from transformers import AutoTokenizer
 
-        self.tok, self.items = AutoTokenizer.from_pretrained(model), load_task("arith", "train")
+        self.tok, self.task = AutoTokenizer.from_pretrained(model), make_task({"task": "arith"})
+        self.items = self.task.rows("train")
 
     def __call__(self, replica, version, lie=False):
         rnd, i = replica.rng, replica.rng.randrange(len(self.items))
-        comps = []
-        for _ in range(G):
-            ids = [rnd.randrange(4, 101) for _ in range(rnd.randint(1, T))]
-            score = reward("arith", completion_text(self.tok, ids), self.items[i])
-            comps.append(completion(ids, 1.0 if lie else score))
-        prompt_ids = chat_prompt(self.tok, self.items[i]["question"])[1]
+        sampled = [[rnd.randrange(4, 101) for _ in range(rnd.randint(1, T))] for _ in range(G)]
+        scores, _ = self.task.score(self.items[i], [completion_text(self.tok, x) for x in sampled],
+                                    sampled, f"train row {i}")
+        comps = [completion(ids, 1.0 if lie else score) for ids, score in zip(sampled, scores)]
+        prompt_ids = templated(self.tok, self.items[i]["prompt"])[1]
         return group(replica, version, prompt_ids, comps, item=i)
 
 
 def run(tmp_path, tiny_model, replicas, steps, proxy_flags=(), trainer_flags=()):
-    """proxy.py and trainer.py as processes, `replicas` (worker -> (pace, make)) as threads,
+    """proxy.py and trainer.py as processes, `replicas` (worker -> (pace, make), or url -> [Replica])
+    as threads,
     until the trainer's `steps` steps are done. Returns (trainer's CompletedProcess, the
     proxy's final /stats, the step records, the replicas)."""
     port, bucket = free_port(), str(tmp_path / "bucket")
@@ -127,7 +132,8 @@ def run(tmp_path, tiny_model, replicas, steps, proxy_flags=(), trainer_flags=())
     threads = []
     try:
         wait_port(port)
-        threads = [Replica(url, w, pace, make) for w, (pace, make) in replicas.items()]
+        threads = replicas(url) if callable(replicas) else [
+            Replica(url, w, pace, make) for w, (pace, make) in replicas.items()]
         for r in threads:
             r.thread.start()
         trainer = subprocess.run(
@@ -175,7 +181,7 @@ def test_made_up_rewards_are_caught_and_their_credential_banned(tiny_model, tmp_
                                "liar": (0.0, lambda r, v: arith(r, v, lie=True))}, 6,
         trainer_flags=["--task", "arith"])
     assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-3000:]
-    assert "reward check: on (--task arith" in trainer.stdout
+    assert "reward check: on (arith" in trainer.stdout
     assert "from liar: completion 0 claims reward 1; its ids score 0" in trainer.stderr
     assert "from honest" not in trainer.stderr, trainer.stderr[-3000:]
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -199,3 +205,55 @@ def test_out_of_vocabulary_ids_are_refused_and_the_trainer_never_waits(tiny_mode
                            "vocabulary of 101 ids" in e for e in refused), refused
     assert stats["workers"].get("oov", {}).get("accepted", 0) == 0, stats["workers"]
     assert stats["contract"]["vocab_size"] == 101 and stats["contract"]["context_length"] == 2048
+
+
+class Squatter(Replica):
+    """A credential that holds leases it never fills (issue 48, case 1): after `honest` groups
+    posted at once (to be measured: 0 for none), GET /quota?max=100&timeout=0 every 0.2 s, never
+    posting again."""
+
+    def __init__(self, url, worker, honest):
+        super().__init__(url, worker, 0.0, toy_group)
+        self.honest, self.asked, self.answers = honest, 0, []
+
+    def run(self):
+        v = 0
+        while not self.stop.is_set():
+            try:
+                q = self.client.quota(self.worker, v, 100, timeout=0)
+                if q["state"] == "done":
+                    return
+                v = q["trainer_version"] if q["trainer_version"] is not None else v
+                self.asked += 1
+                self.answers.append(q["groups"])
+                if self.honest and q["groups"] and q["trainer_version"] is not None:
+                    k = min(self.honest, q["groups"])
+                    self.client.post_rollouts([self.make(self, v) for _ in range(k)])
+                    self.honest -= k
+            except ProxyError as e:
+                self.refused.append(str(e))
+                if "HTTP 403" in str(e) or "gave up" in str(e):
+                    return
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("staleness, batch, honest", [(0, 4, 0), (2, 12, 1)])
+def test_a_credential_that_holds_leases_it_never_fills_cannot_stall_the_trainer(
+        tiny_model, tmp_path, staleness, batch, honest):
+    """Issue 48, case 1: a lease is owed work, not a seat. The squatter asks every 0.2 s and
+    never posts (at max_staleness 2 after one honest delivery, so that it is measured and counts
+    as a supplier); before, each /quota renewed its lease, so at S = 0 the honest replica was
+    leased B - 1 (3 of 4: 0 of 6 steps) and at S = 2, B = 12 the step waited for the squatter's
+    share (11 of 12). Now asking again returns what it still owes, a lease that expires unfilled
+    counts against its holder, and only recent deliveries make a supplier."""
+    trainer, stats, records, workers = run(
+        tmp_path, tiny_model,
+        lambda url: [Replica(url, "honest", 0.05, toy_group), Squatter(url, "squatter", honest)], 6,
+        proxy_flags=["--max-staleness", str(staleness), "--groups-per-step", str(batch),
+                     "--lease-timeout", "10"],
+        trainer_flags=["--wait-timeout", "30"])
+    assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-3000:]
+    print("squatter's answers:", workers["squatter"].answers, stats["leased"])
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert workers["squatter"].asked > 20, workers["squatter"].asked  # it kept asking
+    assert stats["trained"].get("squatter", 0) <= honest, stats["trained"]

@@ -9,6 +9,7 @@ retries across a restart, and the CLI as a subprocess (including how it ends the
 import collections
 import gc
 import json
+import math
 import os
 import random
 import re
@@ -27,6 +28,7 @@ import requests
 
 from conftest import ROOT, free_port, wait_port
 from proxy import RolloutBuffer, serve
+from support.worker_bounds import GuardedBuffer
 from support.contract import ConfigError
 from support.http_hardening import parse_query, query_seconds
 from support.proxy_client import ProxyClient, ProxyError
@@ -153,7 +155,7 @@ def test_config_serves_the_contract_and_the_client_checks_given_flags(proxy):
                    zero_variance="drop")
     contract = {"num_generations": 2, "groups_per_step": 4, "max_staleness": 0, "temperature": 0.7,
                 "max_completion_length": 64, "zero_variance": "drop", "max_prompt_length": 1024,
-                "reward_range": [0.0, 1.0], "max_new_tokens": 64}  # the length's old name, too
+                "reward_range": [-1e6, 1e6], "max_new_tokens": 64}  # the length's old name, too
     assert requests.get(url + "/config", headers=auth()).json() == contract
     client = ProxyClient(url, token=TOKEN)
     assert client.contract(temperature=None, max_staleness=0) == contract  # None: a flag not given
@@ -229,7 +231,7 @@ BAD_GROUPS = [  # (change to a valid group, text the 400 message must contain)
 
 
 def test_malformed_groups_get_400_naming_the_field_and_change_nothing(proxy):
-    url, _ = proxy()
+    url, _ = proxy(reward_range=(0, 1))  # the built-in tasks' scale: a reward of -0.5 is outside
     post(url, make_group("seed"))
     before = stats(url)
     for change, expected in BAD_GROUPS:
@@ -521,17 +523,42 @@ def test_quota_in_drop_mode_scales_by_the_usable_rate_and_drops_equal_rewards(pr
     trainer, replica = ProxyClient(url), ProxyClient(url)
     trainer.set_version(0)
     assert replica.quota("r", 0, 100, timeout=0)["groups"] == 8  # no group seen: a rate of 1/2
-    flat = [make_group(f"flat{i}", rewards=[1.0, 1.0]) for i in range(3)]
-    reply = replica.post_rollouts(flat + [make_group("useful0")])
+    flat = [make_group(f"flat{i}", worker="r", rewards=[1.0, 1.0]) for i in range(3)]
+    reply = replica.post_rollouts(flat + [make_group("useful0", worker="r")])
     assert (reply["accepted"], reply["zero_variance"], reply["stale"]) == (4, 3, 0)
-    # 3 missing, 1 of 4 usable: a rate of (1 + 1) / (4 + 2), one lease of 9 (more than a step's
-    # 4), at most `most`
+    # 3 missing, 1 of r's 4 usable: a rate of (1 + 1) / (4 + 2), one lease of 9 (more than a
+    # step's 4), at most `most`
     assert replica.quota("r", 0, 100, timeout=0)["groups"] == 9
     assert replica.quota("r", 0, 5, timeout=0)["groups"] == 5
     batch = trainer.get_batch(4, timeout=0.5)["groups"]
     assert [g["group_id"] for g in batch] == ["useful0"]  # never a group with equal rewards
     s = trainer.stats()
     assert (s["dropped_zero_variance"], s["delivered"], s["buffered"]) == (3, 1, 0) and identity_holds(s)
+
+
+def test_in_drop_mode_one_workers_flat_groups_do_not_change_anothers_lease(proxy):
+    """Issue 48, case 6: the share of groups kept, which scales a lease up in drop mode, is each
+    replica's own, and scales a lease at most 1 / MIN_KEPT = 8 times. Before, ~130 honestly
+    scored flat groups from one credential drove everyone's estimate to 0.05: the honest
+    replica's next lease was 280 groups where ~17 is normal."""
+    url, _ = proxy(max_staleness=0, groups_per_step=16, zero_variance="drop")
+    trainer, replica = ProxyClient(url), ProxyClient(url)
+    trainer.set_version(0)
+    varied = [make_group(f"h{i}", worker="honest", rewards=[float(i % 3 != 0), 1.0])
+              for i in range(30)]  # 10 of 30 kept: (10 + 1) / (30 + 2)
+    replica.post_rollouts(varied[:16])
+    replica.post_rollouts(varied[16:])
+    assert len(trainer.get_batch(16, timeout=0)["groups"]) == 10
+    trainer.set_version(1)
+    before = replica.quota("honest", 1, 1000, timeout=0)["groups"]
+    assert before == math.ceil(16 / (11 / 32)), before  # 47
+    for i in range(0, 130, 10):  # another credential's flat groups: 130, honestly scored
+        replica.post_rollouts([make_group(f"f{i + j}", 1, worker="flat", rewards=[1.0, 1.0])
+                               for j in range(10)])
+    assert replica.quota("honest", 1, 1000, timeout=0)["groups"] == before
+    core = RolloutBuffer({"num_generations": 2, "groups_per_step": 16, "zero_variance": "drop"})
+    core.add([make_group(f"f{i}", worker="flat", rewards=[1.0, 1.0]) for i in range(130)])
+    assert core._lease_size("flat", 1000, 1000) == 16 * 8  # its own: at most 8 steps' worth
 
 
 def replica_loop(url, worker, seconds_per_group, stop, token=None):
@@ -882,9 +909,9 @@ def test_the_quota_is_enforced_a_flood_cannot_fill_the_trainers_batch(proxy):
 
 
 def test_the_leases_table_is_bounded(proxy, monkeypatch):
-    from support import leases
+    from support import worker_bounds
 
-    monkeypatch.setattr(leases, "MAX_WORKERS", 8)
+    monkeypatch.setattr(worker_bounds, "MAX_WORKERS", 8)
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, lease_timeout=1.0)
     ProxyClient(url, token=TOKEN).set_version(0)
     shared = ProxyClient(url, token=REPLICA_TOKEN, max_wait=0)  # the shared secret: any name
@@ -1237,12 +1264,57 @@ def test_client_errors_are_clear_and_not_retried(proxy, capsys):
 
 
 def test_remembered_group_ids_are_bounded():
-    buf = RolloutBuffer({"num_generations": 2}, max_groups=100, remember_ids=3)
+    buf = GuardedBuffer(RolloutBuffer({"num_generations": 2}), max_groups=100, remember_ids=3)
     for gid in "abcd":
         buf.add([make_group(gid)])
     assert buf.add([make_group("b")])["duplicates"] == 1  # among the last three
     assert buf.add([make_group("a")])["accepted"] == 1    # forgotten: the fifth id pushed it out
     assert len(buf.seen) == len(buf.seen_order) == 3
+
+
+@pytest.mark.parametrize("contract", [
+    {"max_staleness": 0, "groups_per_step": 4}, {"max_staleness": 2, "groups_per_step": 3},
+    {"max_staleness": 1, "groups_per_step": 4, "zero_variance": "drop"}])
+def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(contract):
+    """STYLE.md: the core does not know it is wrapped. One replica's run, the same calls on
+    proxy.RolloutBuffer alone and wrapped in support/worker_bounds.py's GuardedBuffer (as served):
+    the same quotas, the same groups taken in the same order, the same replies; the replica
+    asks twice now and then, posts a version late, some groups flat, one stale."""
+    contract = {"num_generations": 2, **contract}
+    plain, guarded = RolloutBuffer(contract), GuardedBuffer(RolloutBuffer(contract))
+    trace = {id(plain): [], id(guarded): []}
+
+    def both(call, *args):
+        replies = []
+        for buf in (plain, guarded):
+            out = getattr(buf, call)(*args)
+            if call == "take":  # (groups, version[, delivery]): the ids in order
+                out = ([g["group_id"] for g in out[0]], out[1])
+            if call == "add":  # the guard adds its counts of retries and groups beyond a lease
+                assert (out.pop("duplicates", 0), out.pop("over_quota", 0)) == (0, 0)
+            trace[id(buf)].append((call, out))
+            replies.append(out)
+        assert replies[0] == replies[1], (call, args, replies)
+        return replies[0]
+
+    rng, made, v = random.Random(0), 0, 0
+    both("set_version", 0)
+    for step in range(12):
+        for ask in range(2):
+            q = both("quota", "r", v, 100 if step % 3 else 5, 0)
+            if ask == 0 and q["groups"] and step % 4 == 1:
+                both("quota", "r", v, 100, 0)  # asked again before delivering: the same lease
+            if q["groups"]:
+                groups = [make_group(f"g{made + i}", max(0, v - (step % 5 == 4)),
+                                     worker="r", rewards=[1.0, float(rng.random() < 0.6)])
+                          for i in range(q["groups"])]
+                made += len(groups)
+                both("add", groups)
+        both("take", contract["groups_per_step"], 0)
+        v += 1
+        both("set_version", v)
+    assert trace[id(plain)] == trace[id(guarded)]
+    assert sum(len(out[0]) for call, out in trace[id(plain)] if call == "take") >= 24
 
 
 def test_one_log_line_per_interval_and_quiet_when_idle(proxy, caplog):
