@@ -202,3 +202,19 @@ def test_600_hostile_requests_get_4xx_and_change_no_counter():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_chaos_harness_judges_a_future_group_by_the_version_the_proxy_answered_with():
+    """bench/chaos.py (issue 49): a group made as t + 1 from a /stats read is from the future only
+    if the proxy's answer says so; a trainer that reached t + 1 before the POST makes 200 right
+    (a 4-minute run failed on 'trainer_version': 1057 for a group of v1057)."""
+    import chaos
+
+    future = {"policy_version": 1057}
+    assert chaos.poison_verdict("future version", future, 409, {"error": "ahead"}) is None
+    assert chaos.poison_verdict("future version", future, 200, {"trainer_version": 1057}) is None
+    assert chaos.poison_verdict("future version", future, 200, {"trainer_version": None}) is None
+    assert "expected 409" in chaos.poison_verdict("future version", future, 200,
+                                                  {"trainer_version": 1056})
+    assert "expected 400" in chaos.poison_verdict("G", future, 200, {"trainer_version": 1056})
+    assert chaos.poison_verdict("reward 1e29", future, 200, {}) is None
