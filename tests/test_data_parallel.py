@@ -370,8 +370,8 @@ def test_jobs_sh_starts_one_trainer_rank_per_gpu_of_its_flavor(tmp_path, hf_run_
     res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1", **env)
     assert res.returncode == 0, res.stderr
     trainer = dry_run_commands(res)[-1][-1]  # its `bash -c` text
-    start = "exec python3 trainer.py " if ranks is None else \
-        f"exec python3 -m torch.distributed.run --standalone --nproc-per-node {ranks} trainer.py "
+    start = " python3 trainer.py " if ranks is None else \
+        f" python3 -m torch.distributed.run --standalone --nproc-per-node {ranks} trainer.py "
     assert start in trainer, trainer
     assert (" --fsdp" in trainer) == ("TRAINER_FSDP" in env), trainer
     res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1", TRAINER_GPUS="0")
