@@ -279,7 +279,8 @@ def push_command(args, key):
     """python sync.py push: a PEFT folder as version args.version."""
     m = publish_adapter(args.bucket, args.dir, args.version, keep=args.keep, key=key)
     size = sum(f["bytes"] for f in m["files"].values()) / 1e6
-    print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to {args.bucket}")
+    print(f"published v{args.version:06d} ({len(m['files'])} files, {size:.2f} MB) to "
+          f"{args.bucket}")
 
 
 def metrics_command(args, key):

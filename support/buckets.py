@@ -280,17 +280,21 @@ class DirBucket(Bucket):
     def _read(self, key, limit):
         try:
             with self._folder(key) as (fd, name):
-                with open(self._open_at(fd, name, os.O_RDONLY, key), "rb") as f:
-                    size = os.fstat(f.fileno()).st_size  # a sparse 1 TiB file: never read
-                    if limit is not None and size > limit:
-                        raise self._too_large(key, size, limit)
+                file = self._open_at(fd, name, os.O_RDONLY, key)
+                if stat.S_ISDIR((info := os.fstat(file)).st_mode):  # planted, not a missing key:
+                    os.close(file)  # a trainer/STATE gone would start the run afresh
+                    raise Foreign(f"{self.url}: {key} is a folder, which sync.py never writes "
+                                  "there")
+                with open(file, "rb") as f:
+                    if limit is not None and info.st_size > limit:  # a sparse 1 TiB: never read
+                        raise self._too_large(key, info.st_size, limit)
                     try:  # at most limit + 1 bytes: a file growing meanwhile is caught too
                         data = f.read(-1 if limit is None else limit + 1)
                     except MemoryError:
-                        raise self._too_large(key, size, limit) from None
+                        raise self._too_large(key, info.st_size, limit) from None
                     if limit is not None and len(data) > limit:
                         raise self._too_large(key, len(data), limit)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError):
             if os.path.isdir(self.url):
                 self.seen = True
             elif self.seen:  # not an empty bucket: the folder was there (a mount that dropped)

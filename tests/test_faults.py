@@ -681,6 +681,18 @@ def test_a_replayed_old_resume_state_is_refused(tiny_model, tmp_path):
         server.server_close()
 
 
+def start_replica_on_v0(tiny_model, bucket, url, log, env=ENV):
+    """A replica (one batch, --task toy) on bucket and the proxy at url, its output in log; returned
+    once it has loaded v0 (or ended)."""
+    with open(log, "w") as out:
+        replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
+        time.sleep(0.2)
+    return replica
+
+
 def test_a_replica_with_the_adapter_key_refuses_a_planted_adapter(tiny_model, bad_input, tmp_path):
     """The trainer publishes v1 (tagged under ADAPTER_KEY), and a bucket writer without the key
     replaces its manifest and files with its own: the replica (ADAPTER_KEY set) says once that v1
@@ -692,13 +704,7 @@ def test_a_replica_with_the_adapter_key_refuses_a_planted_adapter(tiny_model, ba
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         log = tmp_path / "replica.log"
-        with open(log, "w") as out:
-            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT,
-                                       env={**ENV, "ADAPTER_KEY": KEYS["ADAPTER_KEY"]}, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
-            time.sleep(0.2)
+        replica = start_replica_on_v0(tiny_model, bucket, url, log, {**ENV, "ADAPTER_KEY": KEYS["ADAPTER_KEY"]})
         sync.publish_adapter(bucket, v0, 1, key=KEYS["ADAPTER_KEY"])  # the trainer's v1, then the writer's
         sync.publish_adapter(str(tmp_path / "writer"), v0, 1)
         planted = tmp_path / "writer" / "adapters" / "v000001"
@@ -752,12 +758,7 @@ def test_a_corrupt_adapter_is_reported_as_corrupt_by_the_replica(tiny_model, bad
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         log = tmp_path / "replica.log"
-        with open(log, "w") as out:
-            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT, env=ENV, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
-            time.sleep(0.2)
+        replica = start_replica_on_v0(tiny_model, bucket, url, log)
         sync.publish_adapter(bucket, v0, 1)
         weights = os.path.join(bucket, "adapters", "v000001", "adapter_model.safetensors")
         size = os.path.getsize(weights)
@@ -877,13 +878,7 @@ def test_a_replica_passes_over_a_bucket_object_too_large_deep_or_not_ascii(tiny_
     latest = os.path.join(bucket, "adapters", "LATEST")
     with serving_proxy() as url:
         log = tmp_path / "replica.log"
-        with open(log, "w") as out:
-            replica = subprocess.Popen(rollout_cmd(tiny_model, bucket, url), cwd=ROOT,
-                                       env={**ENV, "ADAPTER_KEY": KEYS["ADAPTER_KEY"]}, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while "adapter v0 loaded" not in log.read_text() and time.time() < deadline and replica.poll() is None:
-            time.sleep(0.2)
+        replica = start_replica_on_v0(tiny_model, bucket, url, log, {**ENV, "ADAPTER_KEY": KEYS["ADAPTER_KEY"]})
         if what == 'LATEST tagged "é"':
             open(latest, "w").write(json.dumps({"version": 1, "tag": "é"}))
         elif what == "LATEST 30,000 brackets deep":

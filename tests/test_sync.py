@@ -823,6 +823,10 @@ def test_a_folder_planted_where_the_trainer_writes_is_removed(tmp_path, capfd):
                 "adapters/v000001/adapter_model.safetensors/inside"):
         os.makedirs(root / key)
     (root / "adapters" / "v000001" / "adapter_model.safetensors" / "inside" / "f").write_bytes(b"x")
+    with pytest.raises(buckets.BucketError, match="trainer/STATE is a folder"):  # not "no state": start afresh
+        buckets.load_trainer_state(b, str(tmp_path / "loaded"), timeout=0)
+    with pytest.raises(adapter_tags.Untrusted, match="adapters/LATEST is a folder"):
+        sync.latest_version(b, "k")
     assert buckets.append_metrics(b, {"step": 6}) is True
     sync.publish_adapter(b, a, 1, key="k", trainer_key="t")
     buckets.save_trainer_state(b, str(state))
