@@ -74,6 +74,7 @@ class Replica:
         self.worker = f"replica-{args.replica_id}"
         self.items = task.rows("train")  # dataset rows: a "prompt" and the reward's columns
         self.reward_errors = 0  # groups dropped for a reward function's error (said each time)
+        self.too_long = set()  # rows whose prompt is over the run's max_prompt_length (said once)
         self.order = shard_order(len(self.items), args.seed, args.replica_id, args.num_replicas)
         self.prompts = {}  # item index -> (templated text, ids), tokenized once
         self.version = None  # the adapter in the engine: set by run_replica's first refresh()
@@ -149,6 +150,8 @@ class Replica:
         idx = [next(self.order) for _ in range(n)]  # this replica's next n prompts
         self.prompts.update({i: templated(self.engine.tokenizer, self.items[i]["prompt"])
                              for i in set(idx) - self.prompts.keys()})
+        if not (idx := [i for i in idx if self.fits(i)]):  # the proxy would refuse the others
+            return None
         # engine.generate returns one list per prompt of G Samples (ids, logprobs, text,
         # finish_reason): ids cut at and including the first EOS, each id's log-prob under
         # softmax(logits / T) (support/engines.py: vLLM, or transformers + peft)
@@ -189,6 +192,15 @@ class Replica:
 
 
     # the replica's logs, below the step: not needed to follow it
+
+    def fits(self, i):
+        """Whether row i's templated prompt is within the run's max_prompt_length."""
+        n, most = len(self.prompts[i][1]), self.args.max_prompt_length
+        if n > most and i not in self.too_long:
+            self.too_long.add(i)
+            self.log(f"train row {i} skipped: its prompt has {n} tokens, over the run's "
+                     f"max_prompt_length {most} (proxy.py --max-prompt-length)")
+        return n <= most
 
     def keep_serving(self, latest, e):
         """A refresh that failed (BucketError e): keep the adapter in hand (with none in
@@ -232,6 +244,7 @@ def take_contract(args, client):
     contract = client.contract(**{k: getattr(args, k) for k in REPLICA_FLAGS})
     vars(args).update({k: contract[k] for k in REPLICA_FLAGS})
     args.post_groups = contract["groups_per_step"]  # the most groups a POST carries
+    args.max_prompt_length = contract["max_prompt_length"]  # a longer prompt's group is refused
     print(f"[replica-{args.replica_id}] run settings from the proxy: {contract}", flush=True)
 
 

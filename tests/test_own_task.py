@@ -207,22 +207,27 @@ def reward(completions, mode, **kwargs):
 def test_bad_reward_functions_lose_nothing_the_run_goes_on(tiny_model, tmp_path):
     """A function that raises, returns the wrong length, NaN, a string or a huge value on some
     rows: each such group is reported by the replica with the function's name and the row, and
-    dropped; every other group trains, and the trainer finishes its steps."""
+    dropped; every other group trains, and the trainer finishes its steps. A row whose prompt is
+    over the run's max_prompt_length is skipped, said once."""
     modes = ["raise", "short", "nan", "string", "huge"]
     rows = [{"prompt": f"Say a digit. ({i})", "mode": modes[i] if i < 5 else "ok"}
-            for i in range(10)]
+            for i in range(10)] + [{"prompt": "Say a digit. " + "x" * 100, "mode": "ok"}]
     data = write_rows(tmp_path / "rows.jsonl", rows)
     (tmp_path / "bad.py").write_text(BAD_REWARD)
     flags = ["--dataset", data, "--eval-dataset", data,  # every row trained on
              "--reward-funcs", f"{tmp_path / 'bad.py'}:reward"]
-    out, log, metrics = run_roles(tmp_path, tiny_model, flags, steps=6)
+    out, log, metrics = run_roles(tmp_path, tiny_model, flags, steps=6,
+                                  proxy_flags=["--max-prompt-length", "80"])
     assert [m["step"] for m in metrics] == list(range(1, 7))
     for says in ("raised KeyError: 'no such thing'", "returned 1 rewards for 8 completions",
                  "'nan' (float) is not a finite", "'x' (str) is not a finite",
                  "'1000000000000.0' (float) is not a finite"):
         assert "group dropped" in log and "reward function reward on train row" in log
         assert says in log, (says, log[-3000:])
-    assert "dataset" in out and "10 train rows" in out
+    assert "dataset" in out and "11 train rows" in out
+    # a prompt longer than the run allows: skipped by the replica (the proxy would refuse it)
+    assert "train row 10 skipped: its prompt has 113 tokens, over the run's max_prompt_length 80" \
+        in log, log[-3000:]
 
 
 # ---- refused before anything starts, with what to fix
