@@ -88,6 +88,13 @@ case $TRAINER_FSDP:$TRAINER_GPUS in
   *) die "TRAINER_FSDP='$TRAINER_FSDP': 0 or 1" ;;
 esac
 : "${DATA:=}"                       # gsm8k, math: local JSONL instead of the hub
+# Your own task instead of TASK (TRL's dataset and reward functions: docs/own-task.md). Paths
+# are from this folder; on Jobs local files travel with the code (ship_task_files).
+: "${DATASET:=}"         # rows with a "prompt" column: a .jsonl/.parquet file, a folder, a Hub id
+: "${DATASET_CONFIG:=}"  # the Hub dataset's config (TRL's dataset_config)
+: "${EVAL_DATA:=}"       # held-out rows for a DATASET without a test split (else 10% held out)
+: "${REWARD_FUNCS:=}"    # "file.py:function module:function ...": called as TRL calls them
+: "${REWARD_WEIGHTS:=}"  # one weight per function (default 1 each)
 : "${MICRO_BATCH_TOKENS:=8192}"     # (locally: the trainer's default)
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
@@ -117,10 +124,22 @@ proxy_args() {  # HOST PORT — the run's contract goes here, and only here
         --temperature "$TEMPERATURE" --max-completion-length "$MAX_COMPLETION_LENGTH"
         --zero-variance "$ZERO_VARIANCE")
 }
+add_task_args() {  # the task's flags, the same for the replicas, the trainer and --eval
+  if [ -n "$DATASET" ]; then
+    ARGS+=(--dataset "$DATASET")
+    if [ -n "$DATASET_CONFIG" ]; then ARGS+=(--dataset-config "$DATASET_CONFIG"); fi
+    if [ -n "$EVAL_DATA" ]; then ARGS+=(--eval-dataset "$EVAL_DATA"); fi
+  else
+    ARGS+=(--task "$TASK")
+    if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
+  fi
+  if [ -n "$REWARD_FUNCS" ]; then ARGS+=(--reward-funcs); add_words "$REWARD_FUNCS"; fi
+  if [ -n "$REWARD_WEIGHTS" ]; then ARGS+=(--reward-weights); add_words "$REWARD_WEIGHTS"; fi
+}
 rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
-  ARGS=(rollout.py --model "$1" --bucket "$2" --proxy "$3" --task "$TASK" --engine "$ENGINE"
+  ARGS=(rollout.py --model "$1" --bucket "$2" --proxy "$3" --engine "$ENGINE"
         --replica-id "$4" --num-replicas "$REPLICAS" --seed "$SEED")
-  if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
+  add_task_args
   add_words "$ROLLOUT_ARGS"
 }
 trainer_args() {  # MODEL BUCKET PROXY_URL
@@ -130,9 +149,8 @@ trainer_args() {  # MODEL BUCKET PROXY_URL
         --loss-type "$LOSS_TYPE" --beta "$BETA" --save-every "$SAVE_EVERY" --seed "$SEED"
         --micro-batch-tokens "$MICRO_BATCH_TOKENS"   # tokens per forward and backward pass
         --old-logprobs "$OLD_LOGPROBS"   # docs/sampler-mismatch.md: which, and why
-        --vllm-importance-sampling-mode "$VLLM_IMPORTANCE_SAMPLING_MODE"
-        --task "$TASK")   # the trainer re-scores each group from its task item (arith, gsm8k, math)
-  if [ -n "$DATA" ]; then ARGS+=(--data "$DATA"); fi
+        --vllm-importance-sampling-mode "$VLLM_IMPORTANCE_SAMPLING_MODE")
+  add_task_args   # the trainer re-scores each group with the task's reward functions
   add_words "$TRAINER_ARGS"
   # TRAINER_GPUS > 1: torchrun starts that many ranks on this machine (data parallel, one GPU
   # each; on CPUs, processes): rank 0 is the trainer the proxy sees (docs/hf-jobs.md)
@@ -169,6 +187,9 @@ run_local() {
   mkdir -p "$RUN"
   : "${BUCKET:=$RUN/bucket}"
   show_settings
+  ARGS=(-m support.rewards); add_task_args   # before anything starts: what to fix, if anything
+  banner "task: the dataset and the reward functions (docs/own-task.md)"
+  "$PY" "${ARGS[@]}" || die "the task above cannot run (nothing was started)"
   resolve_model
   echo "[model] $MODEL_PATH"
   trap 'stop_all' EXIT
@@ -185,12 +206,12 @@ $(tail -5 "$RUN/proxy.log")"
     die "the proxy on port $PROXY_PORT does not take this run's token: is it another run's?" \
         "Set PROXY_PORT to a free port"
 
-  banner "base model: greedy accuracy on held-out $TASK problems (EVAL_LIMIT $EVAL_LIMIT; 0: all)"
+  banner "base model: greedy on the held-out rows of ${DATASET:-$TASK} (EVAL_LIMIT $EVAL_LIMIT)"
   # The evaluations run alone: they get every core (torch's default), the roles one thread each.
-  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter base \
-    --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \
-    --limit "$EVAL_LIMIT" --max-completion-length "$MAX_COMPLETION_LENGTH" \
-    --eval-out "$RUN/eval-base.json" 2>"$RUN/eval-base.log" | tail -1
+  ARGS=(rollout.py --eval --adapter base --model "$MODEL_PATH" --bucket "$BUCKET"
+        --limit "$EVAL_LIMIT" --max-completion-length "$MAX_COMPLETION_LENGTH"
+        --eval-out "$RUN/eval-base.json"); add_task_args
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" "${ARGS[@]}" 2>"$RUN/eval-base.log" | tail -1
 
   banner "training: $STEPS steps, $REPLICAS replica(s), max_staleness $MAX_STALENESS" \
          "(logs in $RUN/)"
@@ -222,11 +243,11 @@ $(tail -5 "$RUN/trainer.log")"
   banner "end of the run: the replicas and the proxy exit by themselves"
   finish_all
 
-  banner "final adapter: greedy accuracy on the same held-out problems"
-  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" rollout.py --eval --adapter latest \
-    --model "$MODEL_PATH" --bucket "$BUCKET" --task "$TASK" ${DATA:+--data "$DATA"} \
-    --limit "$EVAL_LIMIT" --max-completion-length "$MAX_COMPLETION_LENGTH" \
-    --eval-out "$RUN/eval-final.json" 2>"$RUN/eval-final.log" | tail -1
+  banner "final adapter: greedy on the same held-out rows"
+  ARGS=(rollout.py --eval --adapter latest --model "$MODEL_PATH" --bucket "$BUCKET"
+        --limit "$EVAL_LIMIT" --max-completion-length "$MAX_COMPLETION_LENGTH"
+        --eval-out "$RUN/eval-final.json"); add_task_args
+  env -u OMP_NUM_THREADS -u MKL_NUM_THREADS "$PY" "${ARGS[@]}" 2>"$RUN/eval-final.log" | tail -1
 
   banner "result"
   "$PY" scripts/report.py "$RUN" --bucket "$BUCKET" --train-seconds "$train_s" \

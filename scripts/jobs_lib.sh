@@ -16,7 +16,8 @@ banner() { printf '\n== %s ==\n' "$*"; }
 show_settings() {
   banner "settings (override any with VAR=value bash jobs.sh ...)"
   local v
-  for v in NAME MODEL TASK DATA STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
+  for v in NAME MODEL TASK DATA DATASET DATASET_CONFIG EVAL_DATA REWARD_FUNCS REWARD_WEIGHTS \
+           STEPS REPLICAS NUM_GENERATIONS GROUPS_PER_STEP MAX_STALENESS \
            TEMPERATURE MAX_COMPLETION_LENGTH ZERO_VARIANCE LEARNING_RATE LR_SCHEDULER_TYPE LORA_R \
            LORA_ALPHA LOSS_TYPE OLD_LOGPROBS VLLM_IMPORTANCE_SAMPLING_MODE BETA SAVE_EVERY SEED \
            MICRO_BATCH_TOKENS \
@@ -27,6 +28,33 @@ show_settings() {
            PROXY_TRAINER_TIMEOUT JOB_ENV TRAINER_ARGS ROLLOUT_ARGS; do
     eval "[ -n \"\${$v+x}\" ] && printf '  %-16s %s\n' $v \"\$$v\"" || true
   done
+}
+# Your own task on Jobs: DATASET, EVAL_DATA and each REWARD_FUNCS file that is a local path
+# travel with the code, copied into CODE/own_task/; the jobs get /code/own_task/NAME. Checked
+# here first (python -m support.rewards) when .venv exists, so a bad one stops the launch.
+ship_task_files() {
+  local spec out=""
+  if [ -x "$ROOT/.venv/bin/python" ] && { [ -z "$DATASET" ] || [ -e "$DATASET" ]; } &&
+     { [ -n "$DATASET" ] || [ -n "$REWARD_FUNCS" ]; }; then
+    ARGS=(-m support.rewards); add_task_args
+    banner "task: the dataset and the reward functions (docs/own-task.md)"
+    "$ROOT/.venv/bin/python" "${ARGS[@]}" || die "the task above cannot run (nothing launched)"
+  fi
+  DATASET=$(ship_path "$DATASET"); EVAL_DATA=$(ship_path "$EVAL_DATA")
+  set -f
+  for spec in $REWARD_FUNCS; do
+    case $spec in *.py:*) spec=$(ship_path "${spec%:*}"):${spec##*:} ;; esac
+    out="$out $spec"
+  done
+  set +f
+  REWARD_FUNCS=${out# }
+}
+ship_path() {  # PATH: a local file or folder's path in the jobs (a copy in CODE/own_task/)
+  if [ -n "$1" ] && [ -e "$1" ]; then
+    mkdir -p "$CODE/own_task"
+    cp -R "$1" "$CODE/own_task/" || die "could not copy $1 into $CODE/own_task"
+    echo "/code/own_task/$(basename "$1")"
+  else echo "$1"; fi
 }
 add_words() {  # "WORDS" — append each whitespace-separated word to ARGS (none when empty)
   local w
@@ -317,6 +345,7 @@ prepare_hf() {  # everything before the first `hf jobs run`: the CLI and the tok
   git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$CODE" ||
     die "could not copy the git-tracked files to $CODE" \
         "(jobs.sh ships the files of a git checkout)"
+  ship_task_files
   trap 'abort_launch "interrupted"' INT TERM
 }
 run_secrets() {  # PROXY_TOKEN, ROLLOUT_TOKEN, TRAINER_STATE_KEY, ADAPTER_KEY: random, made once

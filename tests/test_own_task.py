@@ -20,6 +20,7 @@ import pytest
 
 from support import buckets, rewards, task_data, tasks
 from conftest import ROOT, free_port, wait_port
+from test_jobs_hf import dry_run_commands, gateway, run_jobs  # noqa: F401  (gateway: autouse)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
        "PROXY_TOKEN": "t"}
@@ -330,3 +331,73 @@ def test_the_split_rule_and_a_folder_of_splits(tmp_path):
     assert len(task_data.load_splits(str(pq), say=said.append)["test"]) == 2
     with pytest.raises(task_data.DatasetError, match="does not load"):
         task_data.load_splits("nobody/no-such-dataset-here", say=said.append)
+
+
+# ---- jobs.sh: DATASET, REWARD_FUNCS, REWARD_WEIGHTS, EVAL_DATA
+
+def test_jobs_sh_local_runs_your_own_task(tiny_model, tmp_path):
+    """`bash jobs.sh --local` with DATASET and REWARD_FUNCS pointing into a folder of their own:
+    the task is checked before anything starts (the reward check's on/off on the console), the
+    run learns, and both evaluations score the held-out rows with the same function."""
+    import shutil
+    import uuid
+
+    data = write_rows(tmp_path / "rows.jsonl", digit_rows(conversational=True))
+    (tmp_path / "my_reward.py").write_text(PLAIN_REWARD.replace("a in c", "a in c[0]['content']"))
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, NAME=name, MODEL=tiny_model, DATASET=data, STEPS="20",
+               REWARD_FUNCS=f"{tmp_path / 'my_reward.py'}:reward", REPLICAS="1",
+               MAX_STALENESS="2", NUM_GENERATIONS="8", GROUPS_PER_STEP="4",
+               MAX_COMPLETION_LENGTH="6", LEARNING_RATE="5e-3", LORA_R="8", LORA_ALPHA="16",
+               EVAL_LIMIT="0", ENGINE="hf", PROXY_PORT=str(free_port()), HF_HUB_OFFLINE="1")
+    run = os.path.join(ROOT, "runs", name)
+    try:
+        r = subprocess.run(["bash", "jobs.sh", "--local"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out = r.stdout
+        assert "task rows: 36 train rows, 4 test rows; reward functions reward x1" in out, out
+        assert "reward check: on" in out and out.index("reward check: on") < out.index("== proxy")
+        first, last = rising(buckets.read_metrics(os.path.join(run, "bucket")))
+        print(f"jobs.sh --local, own task: mean reward {first:.3f} -> {last:.3f}")
+        assert last > first + 0.3, (first, last)
+        final = json.load(open(os.path.join(run, "eval-final.json")))
+        assert final["task"] == "rows" and final["n"] == 4 and "accuracy" in final
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_jobs_sh_refuses_a_bad_task_before_anything_starts(tmp_path):
+    data = write_rows(tmp_path / "rows.jsonl", digit_rows(n=10))
+    (tmp_path / "r.py").write_text("def reward(completions, **kw)\n")
+    env = dict(os.environ, NAME="test-bad-task", DATASET=data, PROXY_PORT=str(free_port()),
+               REWARD_FUNCS=f"{tmp_path / 'r.py'}:reward", HF_HUB_OFFLINE="1")
+    r = subprocess.run(["bash", "jobs.sh", "--local"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and "does not import (SyntaxError" in r.stderr, r.stderr[-2000:]
+    assert "the task above cannot run (nothing was started)" in r.stderr
+    assert "== proxy" not in r.stdout
+    import shutil
+
+    shutil.rmtree(os.path.join(ROOT, "runs", "test-bad-task"), ignore_errors=True)
+
+
+def test_on_jobs_the_reward_file_and_the_data_travel_with_the_code(tmp_path, hf_run_name):
+    """DRY_RUN=1 on Hugging Face Jobs: the local dataset and reward file are copied into the
+    uploaded code folder and the jobs are given their /code paths; the weights pass as they are."""
+    data = write_rows(tmp_path / "rows.jsonl", digit_rows(n=10))
+    (tmp_path / "my_reward.py").write_text(PLAIN_REWARD)
+    res, calls = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1", DATASET=data,
+                          REWARD_FUNCS=f"{tmp_path / 'my_reward.py'}:reward support.tasks:"
+                          "seven_reward", REWARD_WEIGHTS="1.0 0.5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "reward check: on" in res.stdout
+    code = os.path.join(ROOT, "runs", hf_run_name, "code", "own_task")
+    assert sorted(os.listdir(code)) == ["my_reward.py", "rows.jsonl"]
+    commands = dry_run_commands(res)
+    for cmd in commands[1:]:  # the replica and the trainer
+        line = cmd[-1]
+        assert "--dataset /code/own_task/rows.jsonl" in line, line
+        assert ("--reward-funcs /code/own_task/my_reward.py:reward support.tasks:seven_reward "
+                "--reward-weights 1.0 0.5") in line, line
+    assert calls == []
