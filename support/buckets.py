@@ -264,9 +264,10 @@ class DirBucket(Bucket):
             raise BucketError(f"{self.url}: {key!r} is not a key (an empty, . or .. part)")
         fd = os.open(self.url, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            for folder in folders:
+            for i, folder in enumerate(folders, 1):
                 if create:
                     with contextlib.suppress(FileExistsError):
+                        self._clear(fd, folder, "/".join(folders[:i]), want=stat.S_ISDIR)
                         os.mkdir(folder, dir_fd=fd)
                 fd, parent = self._open_at(fd, folder, os.O_RDONLY | os.O_DIRECTORY, key), fd
                 os.close(parent)
@@ -333,15 +334,18 @@ class DirBucket(Bucket):
             raise _Outage(f"cannot write {self._path(key)}: {e.strerror}; that folder must be "
                           "writable (mount a bucket read-write) and have free space") from None
 
-    def _clear(self, fd, name, key):
-        """Remove a folder planted where the file `key` goes (the rename would fail on it at every
-        try), saying so on stderr. Its contents go with it, inside the bucket only (rmtree by
-        descriptor follows no symlink)."""
+    def _clear(self, fd, name, key, want=stat.S_ISREG):
+        """Remove a folder planted where the file `key` goes, or a file where the folder `key`
+        goes (want=stat.S_ISDIR): a write would fail on it at every try. Said on stderr. A folder's
+        contents go with it, inside the bucket only (rmtree by descriptor follows no symlink; a
+        symlink is left for _open_at to refuse)."""
         with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                shutil.rmtree(name, dir_fd=fd)
-                print(f"sync.py: {self.url}: {key} was a folder, which sync.py never writes there: "
-                      "removed, the file written in its place", file=sys.stderr, flush=True)
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode) or want(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                return
+            shutil.rmtree(name, dir_fd=fd) if stat.S_ISDIR(mode) else os.unlink(name, dir_fd=fd)
+            print(f"sync.py: {self.url}: {key} was a {'folder' if stat.S_ISDIR(mode) else 'file'}, "
+                  "which sync.py never writes there: removed", file=sys.stderr, flush=True)
 
     def list(self, prefix=""):
         folders, keys = prefix.split("/")[:-1], []  # walk only the deepest folder the prefix names

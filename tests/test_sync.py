@@ -808,10 +808,10 @@ def test_files_larger_than_their_manifest_says_are_not_read(bucket_url, tmp_path
 
 
 def test_a_folder_planted_where_the_trainer_writes_is_removed(tmp_path, capfd):
-    """An empty folder at metrics/step-000006.json, adapters/LATEST, trainer/STATE, and one holding
-    a file at the next version's weights (a directory bucket; S3 has no folders): each write removes
-    it, says so on stderr, and writes the file (before: "Is a directory", retried, then the end of
-    the run)."""
+    """An empty folder at metrics/step-000006.json, adapters/LATEST, trainer/STATE, one holding a
+    file at the next version's weights, a file where a version's folder goes (a directory bucket;
+    S3 has no folders): each write removes it, says so on stderr, and writes the file (before: "Is
+    a directory", retried, then the end of the run). A read meets a folder as Foreign."""
     root, a, state = tmp_path / "bucket", str(tmp_path / "a"), tmp_path / "state"
     make_adapter(a)
     state.mkdir()
@@ -837,3 +837,7 @@ def test_a_folder_planted_where_the_trainer_writes_is_removed(tmp_path, capfd):
     assert buckets.read_metrics(b) == [{"step": 6}] and sync.latest_version(b, "k") == 1
     assert sync.pull_adapter(b, 1, str(tmp_path / "p"), timeout=0, key="k")
     assert buckets.load_trainer_state(b, str(tmp_path / "loaded"), timeout=0)
+    (root / "adapters" / "v000002").write_bytes(b"x")  # a file where the next version's folder goes
+    sync.publish_adapter(b, a, 2, key="k", trainer_key="t")
+    assert f"{root}: adapters/v000002 was a file, which sync.py never writes there: removed" in capfd.readouterr().err
+    assert sync.pull_adapter(b, 2, str(tmp_path / "p"), timeout=0, key="k")
