@@ -43,12 +43,12 @@ import uuid
 import sync
 from support.adapter_tags import Untrusted, adapter_key
 from support.buckets import BucketError, CorruptAdapter, open_bucket
-from support.cli import replica_args, task_spec
+from support.cli import replica_args
 from support.contract import CONTRACT_FLAGS, make_completion, make_group
 from support.engines import adapter_rank, make_engine, pick_engine
 from support.evaluate import run_eval
 from support.proxy_client import ProxyClient, ProxyError
-from support.rewards import RewardFuncError, make_task, templated
+from support.rewards import RewardFuncError, make_task, task_spec, templated
 from support.tasks import TaskError, completion_text, shard_order
 
 # Ask NVML, not the CUDA driver, whether there is a GPU (torch reads this in is_available()). The

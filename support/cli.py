@@ -9,9 +9,8 @@ import os
 import sys
 
 from support.contract import CONTRACT, CONTRACT_HELP, OLD_NAMES
-from support.rewards import make_task
-from support.task_data import TEST_SPLIT_SIZE
-from support.tasks import BUILTIN, TaskError
+from support.rewards import add_task_flags, make_task, task_spec
+from support.tasks import TaskError
 from support.worker_bounds import MAX_WORKER_SHARE
 
 DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
@@ -142,7 +141,7 @@ def replica_args(argv=None):
       help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
     a("--token", default=os.environ.get("ROLLOUT_TOKEN"),
       help="the proxy's token (env ROLLOUT_TOKEN else PROXY_TOKEN)")
-    add_task_flags(p, default_task="arith")  # rollout.py: task_spec(args, "arith")
+    add_task_flags(p, default_task="arith")  # rollout.py: rewards.task_spec(args, "arith")
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.
     a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
     a("--max-completion-length", "--max-new-tokens", type=int,
@@ -196,59 +195,6 @@ def replica_args(argv=None):
     if args.adapter not in ("base", "latest") and not args.adapter.isdigit():
         p.error(f"--adapter {args.adapter!r}: use base, latest or a version number")
     return args
-
-
-def add_task_flags(p, default_task=None):
-    """The task flags, the same for the replica, the trainer's check and `python -m
-    support.rewards`: a built-in --task, or your own --dataset and --reward-funcs (TRL's names
-    and convention: support/rewards.py, support/task_data.py)."""
-    a = p.add_argument
-    a("--task", choices=list(BUILTIN), help="a built-in task: its rows and reward function "
-      "(support/tasks.py)" + (f"; {default_task} when neither --task nor --dataset is given"
-                              if default_task else ""))
-    a("--data", help="--task gsm8k, math: a folder with train.jsonl/test.jsonl, or one JSONL file "
-      "(split as --dataset is; default: the hub)")
-    a("--dataset", help="your own task's rows (TRL's dataset_name): a .jsonl/.json/.parquet file, "
-      "a folder of split files or a Hub dataset id; a 'prompt' column (a string or chat "
-      "messages), other columns go to the reward functions by name")
-    a("--dataset-config", help="the Hub dataset's config name (TRL's dataset_config)")
-    a("--dataset-train-split", default="train", help="the split trained on (TRL's name)")
-    a("--dataset-test-split", default="test",
-      help="the held-out split --eval scores (TRL's name); absent: see --test-split-size")
-    a("--test-split-size", type=float, default=TEST_SPLIT_SIZE,
-      help="a dataset without the test split: this share of the train split is held out "
-      "(datasets' train_test_split, seed 0; TRL's test_split_size)")
-    a("--eval-dataset", help="a file of held-out rows, instead of --test-split-size")
-    a("--reward-funcs", nargs="+", metavar="FILE.py:FUNC",
-      help="reward functions, path/to/file.py:function or module:function (TRL's reward_funcs), "
-      "called f(prompts, completions, completion_ids, **columns) -> list[float | None]; "
-      "default: --task's")
-    a("--reward-weights", nargs="+", type=float,
-      help="one weight per reward function (TRL's reward_weights; default: 1 each)")
-
-
-TASK_FLAGS = ("task", "dataset", "dataset_config", "dataset_train_split", "dataset_test_split",
-              "test_split_size", "eval_dataset", "reward_funcs", "reward_weights")
-
-
-def task_spec(args, default_task=None):
-    """The task flags as one JSON-able dict (support/rewards.py's make_task takes it), or None
-    when none names a task. TaskError when --task and --dataset are both given."""
-    if args.task and args.dataset:
-        raise TaskError(f"--task {args.task} and --dataset {args.dataset}: give one (--task with "
-                        "--reward-funcs keeps its rows and uses your functions)")
-    task = args.task or (None if args.dataset else default_task)
-    if not task and not args.dataset:
-        return None
-    return {**{k: getattr(args, k) for k in TASK_FLAGS}, "task": task}
-
-
-def task_only_args(argv=None):
-    """`python -m support.rewards`'s flags: only the task's."""
-    p = argparse.ArgumentParser(description="Check a task before a run: the reward functions "
-                                "import, the dataset's splits load, every prompt is usable.")
-    add_task_flags(p)
-    return p.parse_args(argv)
 
 
 def proxy_args(argv=None):

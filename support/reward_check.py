@@ -31,7 +31,7 @@ from support.tasks import completion_text
 class TaskRewards:
     """The reward check of one run: the task (rows and functions), the tokenizer, each row's
     prompt ids (tokenized once), the workers caught with an unverifiable group, and the seconds
-    spent checking (lap). `task`: support/cli.py's task_spec of the trainer's flags, or None."""
+    spent checking (lap). `task`: support/rewards.py's task_spec of the trainer's flags, or None."""
 
     def __init__(self, task, data, model):
         self.task, self.prompts, self.caught, self.seconds = None, {}, set(), 0.0

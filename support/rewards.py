@@ -206,7 +206,7 @@ TASKS = {}  # make_task's, by its arguments: one load per process (trainer_args,
 
 
 def make_task(spec, data=None, say=print):
-    """The Task of a run's flags (support/cli.py's task_spec: task, dataset, reward_funcs, ...).
+    """The Task of a run's flags (task_spec: task, dataset, reward_funcs, ...).
     Everything that can be checked without a model is checked here, before anything starts: the
     functions import, the train split loads and every prompt is usable. TaskError says what to
     fix."""
@@ -253,12 +253,60 @@ def new_task(spec, data, say):
     return result
 
 
+def add_task_flags(p, default_task=None):
+    """The task flags, the same for the replica, the trainer's check and `python -m
+    support.rewards`: a built-in --task, or your own --dataset and --reward-funcs (TRL's names
+    and convention: support/rewards.py, support/task_data.py)."""
+    a = p.add_argument
+    a("--task", choices=list(BUILTIN), help="a built-in task: its rows and reward function "
+      "(support/tasks.py)" + (f"; {default_task} when neither --task nor --dataset is given"
+                              if default_task else ""))
+    a("--data", help="--task gsm8k, math: a folder with train.jsonl/test.jsonl, or one JSONL file "
+      "(split as --dataset is; default: the hub)")
+    a("--dataset", help="your own task's rows (TRL's dataset_name): a .jsonl/.json/.parquet file, "
+      "a folder of split files or a Hub dataset id; a 'prompt' column (a string or chat "
+      "messages), other columns go to the reward functions by name")
+    a("--dataset-config", help="the Hub dataset's config name (TRL's dataset_config)")
+    a("--dataset-train-split", default="train", help="the split trained on (TRL's name)")
+    a("--dataset-test-split", default="test",
+      help="the held-out split --eval scores (TRL's name); absent: see --test-split-size")
+    a("--test-split-size", type=float, default=TEST_SPLIT_SIZE,
+      help="a dataset without the test split: this share of the train split is held out "
+      "(datasets' train_test_split, seed 0; TRL's test_split_size)")
+    a("--eval-dataset", help="a file of held-out rows, instead of --test-split-size")
+    a("--reward-funcs", nargs="+", metavar="FILE.py:FUNC",
+      help="reward functions, path/to/file.py:function or module:function (TRL's reward_funcs), "
+      "called f(prompts, completions, completion_ids, **columns) -> list[float | None]; "
+      "default: --task's")
+    a("--reward-weights", nargs="+", type=float,
+      help="one weight per reward function (TRL's reward_weights; default: 1 each)")
+
+
+TASK_FLAGS = ("task", "dataset", "dataset_config", "dataset_train_split", "dataset_test_split",
+              "test_split_size", "eval_dataset", "reward_funcs", "reward_weights")
+
+
+def task_spec(args, default_task=None):
+    """The task flags as one JSON-able dict (support/rewards.py's make_task takes it), or None
+    when none names a task. TaskError when --task and --dataset are both given."""
+    if args.task and args.dataset:
+        raise TaskError(f"--task {args.task} and --dataset {args.dataset}: give one (--task with "
+                        "--reward-funcs keeps its rows and uses your functions)")
+    task = args.task or (None if args.dataset else default_task)
+    if not task and not args.dataset:
+        return None
+    return {**{k: getattr(args, k) for k in TASK_FLAGS}, "task": task}
+
+
 def main(argv=None):
     """python -m support.rewards TASK-FLAGS: check a task before a run (jobs.sh does): the
     functions import, both splits load; one line each, exit 1 with what to fix."""
-    from support.cli import task_only_args, task_spec
+    import argparse
 
-    args = task_only_args(argv)
+    p = argparse.ArgumentParser(description="Check a task before a run: the reward functions "
+                                "import, the dataset's splits load, every prompt is usable.")
+    add_task_flags(p)
+    args = p.parse_args(argv)
     try:
         task = make_task(task_spec(args), args.data)  # no task: TaskError
         test = task.rows("test")

@@ -104,7 +104,7 @@ def replica_args(bucket, proxy_url, *extra):
 
 def task_of(args):
     """The task a replica started with these args trains on (rollout.main makes it so)."""
-    return rewards.make_task(cli.task_spec(args, "arith"), args.data)
+    return rewards.make_task(rewards.task_spec(args, "arith"), args.data)
 
 
 TOY = rewards.make_task({"task": "toy"})  # replica_args' task
