@@ -58,29 +58,19 @@ def load_reward_funcs(specs):
     funcs = []
     for spec in specs:
         where, sep, name = spec.rpartition(":")
-        if not sep and "." in spec:  # TRL's script spells it my_lib.rewards.custom_reward
+        if not sep and "." in spec and not spec.endswith(".py"):  # TRL's my_lib.rewards.func
             where, _, name = spec.rpartition(".")
         if not where or not name:
             raise TaskError(f"--reward-funcs {spec}: use path/to/file.py:function or "
                             "module:function")
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise TaskError(f"--reward-funcs {spec}: no file {where} (a path from the "
-                                f"current directory, {os.getcwd()})")
-            # a module of its own under a name nothing else uses: its names never meet the
-            # package's (a `last_number` of its own leaves support.tasks's alone)
-            key = hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:12]
-            module_spec = importlib.util.spec_from_file_location(f"reward_file_{key}", where)
-            module = importlib.util.module_from_spec(module_spec)
-            load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
-        else:
-            module, load = None, lambda: importlib.import_module(where)  # noqa: E731
         try:
-            module = load() or module
-        except BaseException as e:  # SyntaxError, ImportError, an exception at import, exit()
+            module = import_rewards(where)
+        except TaskError as e:
+            raise TaskError(f"--reward-funcs {spec}: {e}") from None
+        except (Exception, SystemExit) as e:  # SyntaxError, ImportError, a raise at import
             raise TaskError(f"--reward-funcs {spec}: {where} does not import "
-                            f"({type(e).__name__}: {str(e)[:300]}): fix the file (run "
-                            f"`python -c 'import ...'` on it) or the module path") from None
+                            f"({type(e).__name__}: {str(e)[:300]}): fix the file or the module "
+                            "path") from None
         fn = getattr(module, name, None)
         if not callable(fn):
             defined = [n for n, v in vars(module).items() if inspect.isfunction(v)
@@ -89,6 +79,21 @@ def load_reward_funcs(specs):
                             f"functions: {defined})")
         funcs.append((name, fn))
     return funcs
+
+
+def import_rewards(where):
+    """The module of a --reward-funcs entry: a .py file, imported as a module of its own under a
+    name nothing else uses (its names never meet the package's: a `last_number` of its own
+    leaves support.tasks's alone), or an importable module path."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    if not os.path.isfile(where):
+        raise TaskError(f"no file {where} (a path from the current directory, {os.getcwd()})")
+    key = hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(f"reward_file_{key}", where)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def reward_source(fn):
