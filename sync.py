@@ -38,6 +38,7 @@ files ({name: {sha256, bytes}}), the trainer's base_model, step, state_step, and
     python sync.py pull s3://my-bucket/run1 ./adapters     # newest -> ./adapters/v000003
     ADAPTER_KEY=... python sync.py pull ...                # checks (push: writes) the tags
     python sync.py metrics runs/bucket | tail -n 3         # the trainer's step records (JSON)
+    python sync.py push-to-hub you/name --bucket runs/bucket  # the adapter + a card to the Hub
     python -m pytest tests/test_sync.py -q ; python bench/bench_sync.py
 """
 
@@ -62,6 +63,8 @@ from support.buckets import (LATEST, MANIFEST, METRICS_KEY, RECORD_MAX_BYTES, Bu
 from support.adapter_tags import (MAX_VERSION, Untrusted, adapter_key, check_adapter,
                                   check_latest, is_tagged, latest_record, manifest_there,
                                   own_latest_and_folder, read_latest, version_numbers, with_tags)
+# the result on the Hub (sync.py push-to-hub): support/hub_push.py
+from support.hub_push import add_arguments, push_from_args
 
 PULLED = ".pulled-by-sync"  # the mark pull_adapter leaves in each folder it creates
 
@@ -303,6 +306,11 @@ def main(argv=None):
     metrics = sub.add_parser("metrics",
                              help="print the trainer's step records as JSON lines, oldest first")
     metrics.set_defaults(run=metrics_command)
+    # the result on the Hub, as TRL's push_to_hub: support/hub_push.py (not needed for a hand-off)
+    hub = sub.add_parser("push-to-hub", help="upload an adapter version with a model card to a "
+                         "Hub model repository")
+    add_arguments(hub)
+    hub.set_defaults(run=push_from_args)
     for cmd in (ls, pull, push, metrics):
         cmd.add_argument("bucket", help="a directory or s3://bucket/prefix")
     pull.add_argument("dest", help="local folder; the adapter lands in DEST/v{N:06d}")

@@ -24,15 +24,15 @@ access to the repository's namespace; never printed. Nothing is sent before the 
 and verified and a token found. This module imports no role file.
 """
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 import time
 
-from support.adapter_tags import adapter_key, check_adapter, check_latest, read_latest
-from support.buckets import MANIFEST, METRICS_KEY, BucketError, as_bucket, fetch_verified
+from support.adapter_tags import check_adapter, check_latest, read_latest
+from support.buckets import (MANIFEST, METRICS_KEY, RECORD_MAX_BYTES, BucketError, as_bucket,
+                             fetch_verified, parse_json)
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what PeftModel loads
 TAGS = ("trl", "grpo", "lora")  # TRL's GRPOTrainer._tag_names, and PEFT's tag for a LoRA
@@ -65,9 +65,10 @@ def verified_adapter(bucket, version=None, key=None, timeout=10.0):
                               "train first, or pass the bucket the run wrote")
         if key:
             check_latest(value, key, b.url)
-    files = fetch_verified(b, f"adapters/v{version:06d}/", timeout, f"adapter v{version:06d}")
-    if key:
-        check_adapter(files[MANIFEST], version, key, b.url)
+    # with key, the tag is checked before any file is read (as a replica's pull does)
+    check = (lambda raw: check_adapter(raw, version, key, b.url)) if key else None
+    files = fetch_verified(b, f"adapters/v{version:06d}/", timeout, f"adapter v{version:06d}",
+                           check)
     missing = [n for n in PEFT_FILES if n not in files]
     if missing:
         raise BucketError(f"{b.url}: adapter v{version:06d} has no {', '.join(missing)}: not "
@@ -82,8 +83,8 @@ def step_record(bucket, step):
     keys = {int(m.group(1)): k for k in b.list("metrics/") if (m := METRICS_KEY.match(k))}
     for s in sorted((s for s in keys if step is None or s <= step), reverse=True):
         try:
-            record = json.loads(b.read(keys[s]))
-        except (ValueError, TypeError):  # torn on a mount: the one before
+            record = parse_json(b.read(keys[s], RECORD_MAX_BYTES), keys[s])
+        except BucketError:  # torn on a mount, too large, too deep: the one before
             continue
         if isinstance(record, dict):
             return s, record
@@ -305,9 +306,3 @@ def push_from_args(args, key=None):
         sys.exit(f"sync.py push-to-hub: error: {e}")
     print(f"pushed to {url}")
 
-
-def main(argv=None):
-    """python sync.py push-to-hub REPO_ID --bucket BUCKET [--private] [--version N] ..."""
-    p = argparse.ArgumentParser(prog="sync.py push-to-hub", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    push_from_args(p.parse_args(argv), adapter_key())

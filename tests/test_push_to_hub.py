@@ -37,8 +37,7 @@ from support import buckets, hub_push
 
 TOKEN = "hf_standin_write_token_0123456789"  # the stand-in's one valid token; never printed
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub id the card records for the tiny model
-# sync.py push-to-hub calls support/hub_push.py's main with the same arguments
-PUSH = [sys.executable, "-c", "import sys; from support.hub_push import main; main(sys.argv[1:])"]
+PUSH = [sys.executable, "sync.py", "push-to-hub"]
 
 
 class StandInHub:
