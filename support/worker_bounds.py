@@ -303,12 +303,12 @@ class GuardedBuffer:
         """Record the lease of n groups and when it expires; a lease still owed (`owed`) keeps
         its start and expiry. A slow replica's probe (PROBE): the next one twice as late; a
         replica leased again is no longer probed."""
-        now, lease = time.monotonic(), self.terms[worker]
+        now, lease = time.monotonic(), self.terms.get(worker)  # none: banned while it waited
         if why == PROBE:
             self.probe_gap[worker] = 2 * self._probe_gap(worker)
         elif n:
             self.probe_gap.pop(worker, None)
-        if owed:  # the groups it is given now, on the same expiry
+        if owed and lease is not None:  # the groups it is given now, on the same expiry
             lease.given += n - self.core.leases[worker]
         else:
             self.terms[worker] = Lease(self._expiry(worker, n, now), version, now, n)
@@ -377,7 +377,8 @@ class GuardedBuffer:
 
     def _measured(self, worker):
         """The last group of `worker`'s lease arrived: seconds per group, from the lease to its
-        last group, its pace."""
+        last group, its pace. The leases of replicas not measured yet now count as coming only
+        as long as the slowest measured one would take for them (_expiry)."""
         lease = self.terms.get(worker)
         if lease is None or lease.given <= 0:
             return
@@ -386,6 +387,10 @@ class GuardedBuffer:
         # a probe's measure replaces the one that stopped the leases
         old = self.pace.get(worker, sample) if worker not in self.probe_gap else sample
         self.pace[worker], self.delivered_at[worker] = (old + sample) / 2, now
+        for w, new in self.terms.items():
+            if w not in self.pace and new.given > 0:
+                new.until = min(new.until, self._expiry(w, new.given, new.since))
+        self.core.cond.notify_all()  # a poll waiting for such a lease to end looks again
 
     def _default(self, worker, now):
         """A lease that expired with groups owed counts against its holder: its pace takes the

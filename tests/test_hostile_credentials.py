@@ -249,8 +249,7 @@ def test_a_credential_that_holds_leases_it_never_fills_cannot_stall_the_trainer(
     trainer, stats, records, workers = run(
         tmp_path, tiny_model,
         lambda url: [Replica(url, "honest", 0.05, toy_group), Squatter(url, "squatter", honest)], 6,
-        proxy_flags=["--max-staleness", str(staleness), "--groups-per-step", str(batch),
-                     "--lease-timeout", "10"],
+        proxy_flags=["--max-staleness", str(staleness), "--groups-per-step", str(batch)],
         trainer_flags=["--wait-timeout", "30"])
     assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-3000:]
     print("squatter's answers:", workers["squatter"].answers, stats["leased"])

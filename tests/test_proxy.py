@@ -1317,6 +1317,22 @@ def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(c
     assert sum(len(out[0]) for call, out in trace[id(plain)] if call == "take") >= 24
 
 
+def test_a_worker_banned_while_its_quota_poll_waits_gets_an_answer():
+    """POST /reject bans a worker whose GET /quota long poll is waiting: the poll still answers
+    (an in-flight lease; its groups then meet 403), never an internal error."""
+    buf = GuardedBuffer(RolloutBuffer({"num_generations": 2, "groups_per_step": 2,
+                                       "max_staleness": 0}))
+    buf.set_version(0)
+    assert buf.quota("honest", 0, 100, 0)["groups"] == 2  # the step is leased: liar's poll waits
+    answer = {}
+    poll = threading.Thread(target=lambda: answer.update(buf.quota("liar", 0, 100, 2)))
+    poll.start()
+    time.sleep(0.3)
+    buf.reject([{"group_id": "x", "worker": "liar", "kind": "reward_mismatch", "why": "lied"}])
+    poll.join(10)
+    assert answer["state"] == "running" and "liar" in buf.stats()["banned"], answer
+
+
 def test_one_log_line_per_interval_and_quiet_when_idle(proxy, caplog):
     caplog.set_level("INFO", logger="proxy")
     url, _ = proxy(log_every=0.5)
