@@ -216,12 +216,15 @@ class GuardedBuffer:
                     "state": core.state()}
 
     def finish(self):
+        """RolloutBuffer.finish, nothing added."""
         return self.core.finish()
 
     def close(self):
+        """RolloutBuffer.close, nothing added."""
         self.core.close()
 
     def state(self):
+        """RolloutBuffer.state, nothing added."""
         return self.core.state()
 
     # ---- the pool's quota: RolloutBuffer._quota's terms for replicas of unequal speed
