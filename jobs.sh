@@ -95,6 +95,8 @@ esac
 : "${EVAL_DATA:=}"       # held-out rows for a DATASET without a test split (else 10% held out)
 : "${REWARD_FUNCS:=}"    # "file.py:function module:function ...": called as TRL calls them
 : "${REWARD_WEIGHTS:=}"  # one weight per function (default 1 each)
+: "${HUB_MODEL_ID:=}"    # user/name: at the end, the adapter + a model card to the Hub (docs/hub.md)
+: "${HUB_PRIVATE_REPO:=}"  # 1: that repository is created private (TRL's hub_private_repo)
 : "${MICRO_BATCH_TOKENS:=8192}"     # (locally: the trainer's default)
 : "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
 : "${TEMPERATURE:=1.0}"
@@ -141,6 +143,14 @@ rollout_args() {  # MODEL BUCKET PROXY_URL REPLICA_ID
         --replica-id "$4" --num-replicas "$REPLICAS" --seed "$SEED")
   add_task_args
   add_words "$ROLLOUT_ARGS"
+}
+hub_push_args() {  # BUCKET [EVAL_FILE...] — HUB_MODEL_ID: the adapter and a card to the Hub
+  ARGS=(sync.py push-to-hub "$HUB_MODEL_ID" --bucket "$1" --base-model "$MODEL"
+        --dataset "${DATASET:-$TASK}" --reward-funcs)
+  add_words "${REWARD_FUNCS:-$TASK}"   # a built-in TASK: its reward (support/tasks.py)
+  if [ -n "${REWARD_WEIGHTS:-}" ]; then ARGS+=(--reward-weights); add_words "$REWARD_WEIGHTS"; fi
+  if [ "${HUB_PRIVATE_REPO:-0}" = 1 ]; then ARGS+=(--private); fi   # TRL's hub_private_repo
+  shift; local f; for f in "$@"; do if [ -f "$f" ]; then ARGS+=(--eval "$f"); fi; done
 }
 trainer_args() {  # MODEL BUCKET PROXY_URL
   ARGS=(trainer.py --model "$1" --bucket "$2" --proxy "$3" --max-steps "$STEPS"
@@ -252,6 +262,11 @@ $(tail -5 "$RUN/trainer.log")"
   banner "result"
   "$PY" scripts/report.py "$RUN" --bucket "$BUCKET" --train-seconds "$train_s" \
     --wall-seconds "$((SECONDS - t0))" | tee "$RUN/summary.md"
+  if [ -n "${HUB_MODEL_ID:-}" ]; then  # needs HF_TOKEN (or hf auth login) with write access
+    banner "the adapter and a model card to the Hub: $HUB_MODEL_ID"
+    hub_push_args "$BUCKET" "$RUN/eval-base.json" "$RUN/eval-final.json"
+    "$PY" "${ARGS[@]}" || echo "[hub] the push failed (above); the adapter stays in $BUCKET"
+  fi
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +322,13 @@ launch_hf() {
 
   # 3. The trainer. CMD: the machine, the rest of requirements.txt, exec python3 trainer.py ...
   trainer_args "$JOB_MODEL" "$BUCKET_PATH" "$URL"; job_command trainer
+  # HUB_MODEL_ID: after trainer.py (no longer exec'd), the adapter and a card to the Hub with the
+  # job's HF_TOKEN. A failed push is only reported: the adapter stays in the bucket and the job
+  # ends well, so TRAINER_ATTEMPTS does not train again (docs/hub.md)
+  if [ -n "${HUB_MODEL_ID:-}" ]; then
+    hub_push_args "$BUCKET_PATH"
+    CMD="${CMD/ exec / } && { python3 $(q "${ARGS[@]}")|| echo '[hub] push failed'; }"
+  fi
   launch trainer hf jobs run \
     --detach                  `# print the job id and return` \
     --name "$NAME-trainer"    `# bash jobs.sh logs trainer follows it` \

@@ -608,3 +608,24 @@ def test_a_gpu_job_whose_driver_is_too_old_for_the_images_cuda_stops_first(tmp_p
     assert ("[machine] error: torch is built for CUDA 13.0, and this driver runs CUDA up to 12.8"
             in res.stdout and "vllm/vllm-openai:v0.32.0-cu129" in res.stdout), res.stdout
     assert not (tmp_path / "fails.calls").exists()  # nothing installed
+
+
+def test_hub_model_id_pushes_the_adapter_after_the_trainer(tmp_path, hf_run_name):
+    """HUB_MODEL_ID: the trainer job runs sync.py push-to-hub after trainer.py (no exec: the
+    shell goes on), with the run's names and the job's HF_TOKEN; a failed push ends the job
+    well (echo), so TRAINER_ATTEMPTS does not train again. Without it, the command as before."""
+    res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1",
+                      HUB_MODEL_ID="me/grpo-lora", HUB_PRIVATE_REPO="1")
+    assert res.returncode == 0, res.stderr
+    trainer = [c for c in dry_run_commands(res) if f"{hf_run_name}-trainer" in c][0]
+    assert "HF_TOKEN" in value_after(trainer, "--secrets")
+    run, push = trainer[-1].split(" && { ")
+    assert "exec" not in run.split() and "trainer.py" in run
+    words = shlex.split(push)
+    assert words[:words.index("||")] == [
+        "python3", "sync.py", "push-to-hub", "me/grpo-lora", "--bucket", f"/bucket/{hf_run_name}",
+        "--base-model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "gsm8k",
+        "--reward-funcs", "gsm8k", "--private"]
+    res, _ = run_jobs(tmp_path, NAME=hf_run_name, BUCKET="me/b", DRY_RUN="1")
+    trainer = [c for c in dry_run_commands(res) if f"{hf_run_name}-trainer" in c][0]
+    assert "push-to-hub" not in trainer[-1] and " exec " in trainer[-1]  # without it: as before
