@@ -55,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from support import engines  # noqa: E402
 from support import fast_decode  # noqa: E402
-from support.tasks import chat_prompt
+from support.rewards import templated  # noqa: E402
 from support.tasks import load_task  # noqa: E402
 
 
@@ -251,7 +251,7 @@ def bench(args, engine):
           f"{'floor s':>7} {'of floor cpu/wall':>17} {'GFLOP':>6} exact")
     for shape in args.shapes:
         P, n, T = map(int, shape.split("x"))
-        prompts = [chat_prompt(engine.tokenizer, it["question"])[1] for it in items[:P]]
+        prompts = [templated(engine.tokenizer, it["prompt"])[1] for it in items[:P]]
         prefix = engine._pad(prompts)[2]
         results, times, cpu = {}, {}, {}
         for method in methods:
