@@ -1,5 +1,5 @@
 """What the trainer's reward check (support/reward_check.py) costs: the seconds TaskRewards.problem
-takes for one step's groups, made as a replica makes them (the item's prompt, each reward
+takes for one step's groups, made as a replica makes them (the row's prompt, each reward
 scored from the decoded ids), on the tiny test model's tokenizer or --model's.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reward_check.py --task arith
@@ -8,11 +8,11 @@ scored from the decoded ids), on the tiny test model's tokenizer or --model's.
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_reward_check.py --task math \
         --data tests/data/math_sample.jsonl
 
-A completion's text is an answer, "The answer is N." or "So we get \\boxed{N}.", N the item's
+A completion's text is an answer, "The answer is N." or "So we get \\boxed{N}.", N the row's
 answer or a random number (cut to --tokens tokens), so the reward function parses a number or a
 box as it would. Prints the
 median over --repeats steps of --groups x --generations completions: the whole check, and per
-completion. The first step also tokenizes each item's prompt once (TaskRewards caches it): it
+completion. The first step also tokenizes each row's prompt once (TaskRewards caches it): it
 is reported apart. For math, each step's check gets a fresh math-verify process (started before
 the clock), so that nothing parsed while the groups were made is cached.
 """
@@ -30,25 +30,26 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from support.reward_check import TaskRewards  # noqa: E402
-from support.tasks import MATH_SCORER, chat_prompt, completion_text, reward  # noqa: E402
+from support.rewards import templated  # noqa: E402
+from support.tasks import MATH_SCORER, completion_text  # noqa: E402
 
 
 def step_groups(check, rng, groups, generations, tokens):
     """One step's groups for check's task, as rollout.Replica.batch makes them."""
-    out = []
+    rows, out = check.task.rows("train"), []
     for _ in range(groups):
-        i = rng.randrange(len(check.items))
-        item = check.items[i]
-        comps = []
+        i = rng.randrange(len(rows))
+        ids = []
         for _ in range(generations):  # right, or a wrong number each time (math-verify parses it)
-            n = item["answer"] if rng.random() < 0.5 else str(rng.randrange(10**6))
+            n = rows[i]["answer"] if rng.random() < 0.5 else str(rng.randrange(10**6))
             text = rng.choice([f"The answer is {n}.", f"So we get \\boxed{{{n}}}."])
-            ids = check.tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids = ids[:tokens - 1] + [check.tokenizer.eos_token_id]
-            score = reward(check.task, completion_text(check.tokenizer, ids), item)
-            comps.append({"ids": ids, "logprobs": [-1.0] * len(ids), "reward": score})
-        out.append({"item": i, "completions": comps,
-                    "prompt_ids": chat_prompt(check.tokenizer, item["question"])[1]})
+            x = check.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids.append(x[:tokens - 1] + [check.tokenizer.eos_token_id])
+        texts = [completion_text(check.tokenizer, x) for x in ids]
+        scores, _ = check.task.score(rows[i], texts, ids, f"train row {i}")
+        out.append({"item": i, "prompt_ids": templated(check.tokenizer, rows[i]["prompt"])[1],
+                    "completions": [{"ids": x, "logprobs": [-1.0] * len(x), "reward": r}
+                                    for x, r in zip(ids, scores)]})
     return out
 
 
@@ -67,7 +68,7 @@ def main(argv=None):
         import tiny_model
 
         model = tiny_model.build(tempfile.mkdtemp(prefix="bench-reward-check-"))
-    check, rng = TaskRewards(opts.task, opts.data, model), random.Random(0)
+    check, rng = TaskRewards({"task": opts.task}, opts.data, model), random.Random(0)
     first, times = None, []
     for r in range(opts.repeats + 1):
         groups = step_groups(check, rng, opts.groups, opts.generations, opts.tokens)
