@@ -61,8 +61,8 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    reward_range, longer than the model's context) are dropped and reported (stderr, the step's
    `groups_dropped`, and the proxy's POST /reject, which gives them back to the step's quota and
    bans their worker), and more groups are asked for: a step still has groups_per_step.
-10. --task arith|gsm8k|math: each group's prompt and rewards are recomputed from the item it
-   names (support/reward_check.py); a group that differs is dropped as in 9 (TRL scores its own).
+10. --task, or --dataset with --reward-funcs: a group's prompt and rewards are recomputed with the
+   run's reward functions (support/reward_check.py); one that differs is dropped as in 9.
 """
 
 import math
@@ -81,7 +81,7 @@ from support.data_parallel import ONE_PROCESS, follow_rank_zero, join_ranks  # t
 from support.devices import checkpoint_layers  # --gradient-checkpointing
 from support.group_checks import UsableGroups, Waiting  # what a hostile replica cannot do
 from support.proxy_client import ProxyClient, ProxyError
-from support.reward_check import TaskRewards  # a group's rewards, recomputed from its task
+from support.reward_check import TaskRewards  # rewards recomputed with the run's reward functions
 from support.shared_prompt import by_group, make_microbatches, plain_logprobs_fast
 from support.step_record import StepStats, record_step  # metrics, the log line
 from support.trainer_state import TrainerError, lora_parameters, saves_state, start_run, write_state
@@ -298,7 +298,7 @@ def train(args, ranks=ONE_PROCESS):
     # what the model takes, announced with every version: the proxy refuses other groups (400)
     vocab_size = model.get_input_embeddings().num_embeddings
     client.set_limits(vocab_size=vocab_size, context_length=run.limits["context"])
-    task_rewards = TaskRewards(args.task, args.data, args.model)  # arith, gsm8k, math: checked
+    task_rewards = TaskRewards(args.task, args.data, args.model)  # on for a deterministic task
     # what the trainer does not trust, checked where groups arrive: the others named and reported
     usable_groups = UsableGroups(client, vocab_size, task_rewards, **run.limits)
 
