@@ -4,7 +4,8 @@
 
 Reads what the run left behind: runs/NAME/eval-base.json and eval-final.json (from
 `rollout.py --eval`), runs/NAME/stats.json (the proxy's /stats at the end of training) and the
-bucket's metrics (buckets.read_metrics: one object per trainer step). Prints a Markdown table, the
+bucket's metrics (buckets.read_metrics: one object per trainer step). Prints a Markdown table (the
+greedy accuracy before and after, or the mean reward where a task's rewards are not all 0 or 1), the
 reward curve as a one-line sparkline, and the sampler/learner mismatch by staleness over the run
 (mismatch_by_staleness; what the numbers mean: docs/sampler-mismatch.md).
 """
@@ -107,8 +108,11 @@ def main():
     stale = [m["staleness_mean"] for m in metrics if m.get("staleness_mean") is not None]
     versions = sync.latest_version(a.bucket or os.path.join(a.run_dir, "bucket"))
 
-    def pct(e):
-        return f"{100 * e['accuracy']:.1f}% ({e.get('correct', '?')}/{e.get('n', '?')})" if "accuracy" in e else "n/a"
+    def pct(e):  # an accuracy where every reward is 0 or 1 (support/evaluate.py), else the mean
+        if "accuracy" in e:
+            return f"{100 * e['accuracy']:.1f}% ({e.get('correct', '?')}/{e.get('n', '?')})"
+        return f"mean reward {e['mean_reward']:.3f} ({e.get('n', '?')})" if "mean_reward" in e \
+            else "n/a"
 
     def third(xs, which):
         k = max(1, len(xs) // 3)
@@ -129,11 +133,11 @@ def main():
         rows.append(("training wall time", f"{a.train_seconds:.0f} s"))
     if a.wall_seconds is not None:
         rows.append(("whole run wall time (setup, evals, training)", f"{a.wall_seconds:.0f} s"))
-    width = max(len(r[0]) for r in rows)
-    print(f"| {'':{width}} | {'value':<24} |")
-    print(f"|{'-' * (width + 2)}|{'-' * 26}|")
+    width, vw = max(len(r[0]) for r in rows), max(24, *(len(r[1]) for r in rows))
+    print(f"| {'':{width}} | {'value':<{vw}} |")
+    print(f"|{'-' * (width + 2)}|{'-' * (vw + 2)}|")
     for k, v in rows:
-        print(f"| {k:{width}} | {v:<24} |")
+        print(f"| {k:{width}} | {v:<{vw}} |")
     print(f"\nreward per step {sparkline(rewards)}  ({min(rewards, default=0):.2f} .. {max(rewards, default=0):.2f})")
     lines = mismatch_lines(mismatch_by_staleness(metrics))
     if lines:

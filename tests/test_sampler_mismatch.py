@@ -68,6 +68,21 @@ def test_report_prints_the_mismatch_by_staleness(tmp_path):
                     ["1", "2", "20", "1.00e-01", "7.00e-01", "0.400..2.500", "0.250"]], out.stdout
 
 
+
+def test_report_shows_the_mean_reward_where_rewards_are_not_0_or_1(tmp_path):
+    """A task whose rewards are not all 0 or 1 has no accuracy (support/evaluate.py writes
+    mean_reward only): the table shows the mean reward there, not n/a; a 0/1 task its accuracy."""
+    (tmp_path / "eval-base.json").write_text(json.dumps({"n": 40, "mean_reward": -0.3125}))
+    (tmp_path / "eval-final.json").write_text(json.dumps(
+        {"n": 40, "mean_reward": 0.75, "correct": 30, "accuracy": 0.75}))
+    out = subprocess.run([sys.executable, "scripts/report.py", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in out.stdout.splitlines() if line.startswith("| greedy")}
+    assert rows == {"greedy accuracy, base model": "mean reward -0.312 (40)",
+                    "greedy accuracy, final adapter": "75.0% (30/40)"}, out.stdout
+
 def record(mode, seed, late, staleness=2, dtype="bfloat16"):
     mm = {str(k): v for k, v in mismatch_by_staleness(STEPS).items()}
     return {"dtype": dtype, "staleness": staleness, "mode": mode, "seed": seed, "rc": 0,
