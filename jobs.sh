@@ -31,25 +31,24 @@ esac
 
 # ---------------------------------------------------------------------------------------------
 # Settings. The defaults differ by mode: a CPU-sized toy locally, the real experiment on GPUs.
+# Every role's default (MODEL, TASK, STEPS, the contract, the loss, ...) is one row of
+# support/defaults.py, read here as `: "${VAR:=value}"` lines (a variable you set wins):
+#   python3 -m support.defaults --shell local      # prints them; --shell hf, or no flag: the table
+# What is left below is the launch's own: the run's name, threads and ports, Jobs' machines.
 # ---------------------------------------------------------------------------------------------
+host_python   # sets PYH: .venv's python, else python3 (before setup.sh made .venv)
+defaults=$("$PYH" -m support.defaults --shell "$mode") ||
+  die "could not read the defaults (support/defaults.py) with $PYH"
+eval "$defaults"
 if [ "$mode" = local ]; then      # minutes on a laptop: SmolLM2-135M on "What is A + B?"
-  : "${MODEL:=HuggingFaceTB/SmolLM2-135M-Instruct}" "${TASK:=arith}" "${STEPS:=30}"
-  : "${MAX_STALENESS:=2}" "${GROUPS_PER_STEP:=4}" "${LEARNING_RATE:=3e-4}"
-  : "${OLD_LOGPROBS:=sampler}"    # fp32 replica = fp32 trainer: no mismatch to correct
-  : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-12}}"   # MAX_NEW_TOKENS: its old name
-  : "${SAVE_EVERY:=5}" "${REPLICAS:=1}" "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=0}"
+  : "${PROXY_PORT:=8000}" "${EVAL_LIMIT:=0}"
   : "${END_GRACE:=60}"            # seconds the replicas and proxy get to exit after the trainer
   : "${THREADS:=1}"               # torch threads of each role's process (the cores are shared)
   : "${TRAINER_GPUS:=1}"          # trainer processes (torchrun ranks, data parallel, on gloo)
   : "${NAME:=local-$(date +%Y%m%d-%H%M%S)}"
 else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on GSM8K
-  : "${MODEL:=Qwen/Qwen2.5-0.5B-Instruct}" "${TASK:=gsm8k}" "${STEPS:=200}"
-  : "${MAX_STALENESS:=4}" "${GROUPS_PER_STEP:=16}" "${LEARNING_RATE:=5e-5}"
-  : "${OLD_LOGPROBS:=learner}"    # vLLM's bf16 sampler != the trainer: TRL's correction
-  : "${MAX_COMPLETION_LENGTH:=${MAX_NEW_TOKENS:-256}}"  # MAX_NEW_TOKENS: its old name
-  : "${SAVE_EVERY:=10}" "${REPLICAS:=1}"   # add one while the trainer's wait_s (metrics) is large
-  : "${MICRO_BATCH_TOKENS:=2048}"   # one group per forward: ~9 GiB, 40% of an L4 (8192: ~20 GiB,
-                                    # 87%; docs/gpu-round.md's table, estimated)
+  # REPLICAS: add one while the trainer's wait_s (metrics) is large. MICRO_BATCH_TOKENS 2048: one
+  # group per forward, ~9 GiB, 40% of an L4 (8192: ~20 GiB, 87%; docs/gpu-round.md's, estimated)
   : "${PROXY_FLAVOR:=cpu-basic}" "${ROLLOUT_FLAVOR:=l4x1}" "${TRAINER_FLAVOR:=l4x1}"
   : "${ROLLOUT_FLAVORS:=}"   # a mixed pool, one replica per flavor: "a10g-small l4x1 t4-small"
   : "${TRAINER_GPUS:=$(flavor_gpus "$TRAINER_FLAVOR")}"   # trainer ranks, one per GPU: h200x2: 2
@@ -62,10 +61,10 @@ else                              # the GPU experiment: Qwen2.5-0.5B-Instruct on
   : "${PROXY_IMAGE:=python:3.12-slim}"      # the proxy needs only the standard library
   : "${TIMEOUT:=2h}"
   : "${STARTUP_TIMEOUT:=900}"   # seconds for the proxy job to be RUNNING and answer /healthz
-  : "${PROXY_TRAINER_START_TIMEOUT:=3600}"  # s the proxy waits for the trainer's first request
-                                # (its GPU, image, install, model and first publish), then ends
-  : "${PROXY_TRAINER_TIMEOUT:=1200}"  # s of trainer silence, once it has spoken, after which the
-                                # proxy ends the run; it must outlast a restart (docs/gpu-round.md)
+  # PROXY_TRAINER_START_TIMEOUT: s the proxy waits for the trainer's first request (its GPU,
+  # image, install, model and first publish), then ends. PROXY_TRAINER_TIMEOUT: s of trainer
+  # silence, once it has spoken, after which the proxy ends the run; it must outlast a restart
+  # (docs/gpu-round.md)
   : "${TRAINER_ATTEMPTS:=2}"   # runs of the trainer job in all (hf jobs run --attempts): a failed
   # one starts again and resumes from the bucket. One restart covers a lost machine; a failure that
   # repeats (a bug, an OOM at the same step) is billed again on each attempt. The proxy and the
@@ -97,14 +96,6 @@ esac
 : "${REWARD_WEIGHTS:=}"  # one weight per function (default 1 each)
 : "${HUB_MODEL_ID:=}"    # user/name: at the end, the adapter + a model card to the Hub (docs/hub.md)
 : "${HUB_PRIVATE_REPO:=}"  # 1: that repository is created private (TRL's hub_private_repo)
-: "${MICRO_BATCH_TOKENS:=8192}"     # (locally: the trainer's default)
-: "${NUM_GENERATIONS:=8}"           # completions per prompt (G)
-: "${TEMPERATURE:=1.0}"
-: "${ZERO_VARIANCE:=keep}"          # keep | drop groups whose rewards are all equal
-: "${LR_SCHEDULER_TYPE:=linear}"    # linear (decays to 0 at STEPS, TRL's default) | constant
-: "${LORA_R:=16}" "${LORA_ALPHA:=32}" "${LOSS_TYPE:=dapo}" "${BETA:=0.0}" "${SEED:=0}"
-: "${VLLM_IMPORTANCE_SAMPLING_MODE:=sequence_mask}"  # with OLD_LOGPROBS=learner (TRL's default)
-: "${ENGINE:=auto}"                 # auto | vllm | hf
 : "${TRAINER_ARGS:=}"               # extra trainer.py flags, e.g. "--micro-batch-tokens 2048"
 : "${ROLLOUT_ARGS:=}"               # extra rollout.py flags, e.g. "--gpu-memory-utilization 0.3"
 if [ "$action" != launch ] && [ "$action" != preflight ] && [ -z "$NAME" ]; then

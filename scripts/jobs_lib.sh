@@ -66,7 +66,7 @@ new_token() { od -An -tx1 -N16 /dev/urandom | tr -d ' \n'; }
 host_python() {  # sets PYH: a python3 on this machine (.venv's when there is one)
   if [ -x "$ROOT/.venv/bin/python" ]; then PYH=$ROOT/.venv/bin/python
   elif command -v python3 >/dev/null; then PYH=python3
-  else die "python3 is missing here (jobs.sh runs proxy.py to make the replicas' tokens)"; fi
+  else die "python3 is missing here (jobs.sh reads its defaults with it: support/defaults.py)"; fi
 }
 http_code() {  # URL HEADERS [OUT] [SECONDS] — print the HTTP status of a GET (000: no answer).
   # HEADERS ("Name: value" lines) go on stdin, never on a command line (readable by every user in

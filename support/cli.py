@@ -9,6 +9,7 @@ import os
 import sys
 
 from support.contract import CONTRACT, CONTRACT_HELP, OLD_NAMES
+from support.defaults import DEFAULTS
 from support.rewards import add_task_flags, make_task, task_spec
 from support.tasks import TaskError
 from support.worker_bounds import MAX_WORKER_SHARE
@@ -45,14 +46,14 @@ def trainer_args(argv=None, description=None):
     a("--delta", type=delta_or_none, default=DELTA,
       help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
            f"'none': off (default {DELTA}: one group cannot steer a step)")
-    a("--beta", type=float, default=0.0,
+    a("--beta", type=float, default=DEFAULTS["beta"],
       help="KL coefficient against the base model (adapter disabled); 0 = no KL")
     a("--use-bias-correction-kl", action=argparse.BooleanOptionalAction, default=True,
       help="with --beta > 0: multiply the per-token KL by the importance ratio (TRL's default: on)")
     a("--mask-truncated-completions", action="store_true",
       help="leave completions that ended without EOS out of the loss (TRL's; default: off)")
     # where the sampler's log-probs enter the loss (grpo_loss.sampler_correction; TRL's names)
-    a("--old-logprobs", default="sampler", choices=["sampler", "learner"],
+    a("--old-logprobs", default=DEFAULTS["old_logprobs"], choices=["sampler", "learner"],
       help="the ratio's old policy. sampler: the replica's log-probs, no weight (TRL's "
            "AsyncGRPOTrainer; jobs.sh --local's). learner (jobs.sh's on GPUs): the "
            "trainer's own at this step (no extra forward), the loss weighted as below (TRL's "
@@ -60,7 +61,7 @@ def trainer_args(argv=None, description=None):
     a("--vllm-importance-sampling-correction", action=argparse.BooleanOptionalAction,
       default=True, help="with --old-logprobs learner: weight each token's loss by "
       "pi_learner / pi_sampler (TRL's default: on); the weights are logged in either mode")
-    a("--vllm-importance-sampling-mode", default="sequence_mask",
+    a("--vllm-importance-sampling-mode", default=DEFAULTS["vllm_importance_sampling_mode"],
       choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
       help="token_*: a weight per token, sequence_*: one per completion (the product); "
            "*_truncate: held in [min, max], *_mask: 0 outside it (TRL's default: sequence_mask)")
@@ -72,18 +73,19 @@ def trainer_args(argv=None, description=None):
       help="DeepSeek-V3.2's off-policy sequence mask: leave out a completion with negative "
            "advantage whose mean log(pi_sampler / pi_learner) is above this, e.g. 0.5 "
            "(default none: off, as TRL)")
-    a("--loss-type", default="dapo", choices=["grpo", "bnpo", "dr_grpo", "dapo"],
+    a("--loss-type", default=DEFAULTS["loss_type"], choices=["grpo", "bnpo", "dr_grpo", "dapo"],
       help="loss normalisation, as in TRL")
     a("--scale-rewards", default="group", choices=["group", "batch", "none"],
       help="divide advantages by this std")
-    a("--learning-rate", type=float, default=3e-4, help="AdamW's initial learning rate")
-    a("--lr-scheduler-type", default="linear", choices=["linear", "constant"],
+    a("--learning-rate", type=float, default=DEFAULTS["learning_rate"],
+      help="AdamW's initial learning rate")
+    a("--lr-scheduler-type", default=DEFAULTS["lr_scheduler_type"], choices=["linear", "constant"],
       help="linear: decays to 0 at --max-steps (TRL's default); constant")
     a("--max-grad-norm", type=float, default=1.0,
       help="clip the LoRA gradient's global norm to this")
-    a("--max-steps", type=int, default=500,
+    a("--max-steps", type=int, default=DEFAULTS["max_steps"],
       help="stop after this many optimizer steps (counted across restarts)")
-    a("--micro-batch-tokens", type=int, default=8192,
+    a("--micro-batch-tokens", type=int, default=DEFAULTS["micro_batch_tokens"],
       help="tokens (padding counted) per forward/backward pass")
     a("--gradient-checkpointing", action="store_true",
       help="recompute each layer's activations in the backward pass instead of keeping them "
@@ -91,10 +93,14 @@ def trainer_args(argv=None, description=None):
     a("--fsdp", action="store_true",
       help="under torchrun: FSDP2 (fully_shard per decoder layer + root), each rank holds 1/N of "
            "the model, for one that does not fit one GPU; the plain forward (docs/hf-jobs.md)")
-    a("--save-every", type=int, default=10, help="save resume state every this many steps")
-    a("--seed", type=int, default=0, help="seed for the LoRA init and torch's/python's RNGs")
-    a("--lora-r", type=int, default=16, help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")
-    a("--lora-alpha", type=int, default=32, help="LoRA alpha (scale = alpha / r)")
+    a("--save-every", type=int, default=DEFAULTS["save_every"],
+      help="save resume state every this many steps")
+    a("--seed", type=int, default=DEFAULTS["seed"],
+      help="seed for the LoRA init and torch's/python's RNGs")
+    a("--lora-r", type=int, default=DEFAULTS["lora_r"],
+      help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")
+    a("--lora-alpha", type=int, default=DEFAULTS["lora_alpha"],
+      help="LoRA alpha (scale = alpha / r)")
     a("--lora-target", default="all-linear",
       help="'all-linear' or comma-separated module names, e.g. q_proj,v_proj")
     a("--wait-timeout", type=float, default=1800.0,
@@ -141,7 +147,7 @@ def replica_args(argv=None):
       help="proxy URL, e.g. http://127.0.0.1:8000 (token from --token or env PROXY_TOKEN)")
     a("--token", default=os.environ.get("ROLLOUT_TOKEN"),
       help="the proxy's token (env ROLLOUT_TOKEN else PROXY_TOKEN)")
-    add_task_flags(p, default_task="arith")  # rollout.py: rewards.task_spec(args, "arith")
+    add_task_flags(p, default_task=DEFAULTS["task"])  # rollout.py: rewards.task_spec(args, it)
     # The run's contract comes from the proxy (GET /config); these flags only double-check it.
     a("--num-generations", type=int, help="completions per prompt, G (default: the proxy's)")
     a("--max-completion-length", "--max-new-tokens", type=int,
@@ -152,16 +158,16 @@ def replica_args(argv=None):
     a("--max-staleness", type=int, help="the proxy's staleness bound (default: the proxy's)")
     a("--prompts-per-batch", type=int, default=0,
       help="most prompts per generate call (0: the proxy's whole quota)")
-    a("--engine", default="auto", choices=["auto", "vllm", "hf"],
+    a("--engine", default=DEFAULTS["engine"], choices=["auto", "vllm", "hf"],
       help="auto: vllm on a GPU, else hf")
     a("--dtype", choices=["float32", "bfloat16", "float16"],
       help="--engine hf: the weights' dtype (default: the card's, as the trainer's: bfloat16, "
            "float16 below compute capability 8.0, float32 on a CPU; vllm ignores it). bfloat16 "
            "against an fp32 trainer: a real sampler/learner mismatch (docs/sampler-mismatch.md)")
     a("--replica-id", type=int, default=0, help="this replica's index, 0..num-replicas-1")
-    a("--num-replicas", type=int, default=1,
+    a("--num-replicas", type=int, default=DEFAULTS["num_replicas"],
       help="replicas in total (each takes its own slice of prompts)")
-    a("--seed", type=int, default=0, help="base seed; replica i uses seed + i")
+    a("--seed", type=int, default=DEFAULTS["seed"], help="base seed; replica i uses seed + i")
     a("--max-batches", type=int, default=0,
       help="stop after this many batches (0 = run forever)")
     a("--poll-interval", type=float, default=1.0,

@@ -11,13 +11,14 @@ Fields and status codes: docs/protocol.md. This module imports no role file.
     python -m pytest tests/test_proxy.py tests/test_contract.py -q
 """
 
+from support.defaults import DEFAULTS, TABLE
 from support.http_hardening import ApiError, check
 
 MAX_NAME = 256          # characters in a group_id or a worker name
 MAX_COMPLETIONS = 4096  # completions in one group
 MAX_INT = 2**31         # token ids and versions lie in [0, 2^31)
 MAX_ABS = 1e30          # |reward| below this; also rejects NaN and +-Infinity
-REWARD_LIMIT = 1e6      # the default reward_range is [-this, this]: any reward a function returns
+REWARD_LIMIT = DEFAULTS["reward_range"][1]  # the default reward_range is [-this, this]
 MIN_LOGPROB = -1000.0   # a sampled token's log-prob lies in [this, 0] (fp32 cannot go below ~-104)
 
 
@@ -27,12 +28,11 @@ class ConfigError(ValueError):
 
 # ---- the contract
 
-# The settings every role must share (TRL's names), and their defaults. proxy.py takes them as
-# flags; rollout.py and trainer.py read them from GET /config, so a run cannot disagree with itself.
-CONTRACT = {"num_generations": 8, "groups_per_step": 16, "max_staleness": 4, "temperature": 1.0,
-            "max_completion_length": 256, "zero_variance": "keep", "max_prompt_length": 1024,
-            "reward_range": [-REWARD_LIMIT, REWARD_LIMIT],
-            "max_new_tokens": 256}  # max_completion_length's old name, kept equal to it
+# The settings every role must share (TRL's names), and their defaults: the proxy's rows of
+# support/defaults.py. proxy.py takes them as flags; rollout.py and trainer.py read them from
+# GET /config, so a run cannot disagree with itself.
+CONTRACT = {r.name: r.type(r.default) for r in TABLE if r.role == "proxy"}
+CONTRACT["max_new_tokens"] = CONTRACT["max_completion_length"]  # its old name, kept equal to it
 OLD_NAMES = {"max_new_tokens": "max_completion_length"}  # still a flag, served, and accepted
 CONTRACT_HELP = {
     "num_generations": "completions per prompt, G",

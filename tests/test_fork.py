@@ -9,7 +9,8 @@
    imports fails it: `test_a_fork_without_support_does_not_start` drops `support` from the list
    and shows the proxy dying on the import.
 2. The table of "the variables you are most likely to change" (## Running): every default in
-   backticks is the one jobs.sh sets, in the same mode.
+   backticks is the one jobs.sh sets, in the same mode (support/defaults.py's, or jobs.sh's own
+   for the launch's variables).
 3. "Your own task" (## Running): its commands, run as written with HOME in a temporary folder,
    make the dataset and the reward file, and the task check jobs.sh runs first passes on them.
 
@@ -28,6 +29,7 @@ import sys
 import pytest
 
 from conftest import ROOT, free_port, wait_port
+from support.defaults import values
 
 STEPS = 3  # trainer steps of the fork's run
 
@@ -151,9 +153,9 @@ def test_a_fork_without_support_does_not_start(tmp_path):
 # ---- the variables table
 
 def jobs_sh_defaults():
-    """{"local": {VAR: default}, "hf": {VAR: default}}: jobs.sh's `${VAR:=default}`, the mode's
-    own block first, then the settings both modes share (an inner `${OLD:-x}` read as x, $RUN
-    as runs/NAME)."""
+    """{"local": {VAR: default}, "hf": {VAR: default}}: the mode's values of support/defaults.py
+    (what jobs.sh reads), and jobs.sh's own `${VAR:=default}` of the launch, the mode's block
+    first, then those both modes share ($RUN read as runs/NAME)."""
     text = open(os.path.join(ROOT, "jobs.sh"), encoding="utf-8").read()
     start = text.index('if [ "$mode" = local ]; then')
     split = text.index("\nelse", start)
@@ -162,9 +164,8 @@ def jobs_sh_defaults():
     found = {}
     for name, block in blocks.items():
         pairs = re.findall(r"\$\{(\w+):=((?:[^{}]|\{[^{}]*\})*)\}", block)
-        found[name] = {var: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
-                       .replace("$RUN", "runs/NAME") for var, value in pairs}
-    return {mode: {**found["both"], **found[mode]} for mode in ("local", "hf")}
+        found[name] = {var: value.replace("$RUN", "runs/NAME") for var, value in pairs}
+    return {mode: {**found["both"], **found[mode], **values(mode)} for mode in ("local", "hf")}
 
 
 def test_the_readme_variables_are_jobs_sh_defaults():
