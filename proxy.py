@@ -1,7 +1,8 @@
 """proxy.py — the hub of an async GRPO run, on the standard library: the run's settings, the
 rollout buffer, the trainer's version, the generation quota and the end of the run.
 
-The proxy's part of a GRPO step, in this file's order (the state, all of it in RolloutBuffer):
+The proxy's part of a GRPO step, in this file's order (its plain state: RolloutBuffer; the
+guard's bookkeeping: GuardedBuffer):
     4-5. the buffer   replicas POST groups (RolloutBuffer.add); the trainer takes B per step,
                       oldest first (RolloutBuffer.take, GET /batch)
     9-10. handshake   the trainer announces each adapter version (set_version, POST /version);
@@ -132,21 +133,25 @@ class RolloutBuffer:
             self.cond.notify_all()
             return {"dropped": len(self._drop_stale()), "trainer_version": version}
 
-    def quota(self, worker, version, most, timeout):
+    def quota(self, worker, version, most, timeout, rule=None, wait=None, keep=False,
+              lease=None):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end
-        of the run. The answer is the replica's lease: the groups to make now."""
+        of the run. The answer is the replica's lease: the groups to make now. Its parts, each
+        replaceable (GuardedBuffer passes a pool's): `rule` how many (_quota), `wait` the wait
+        (cond.wait_for), `keep` the lease still owed, `lease` its record (self.leases)."""
+        rule, wait = rule or self._quota, wait or self.cond.wait_for
         with self.cond:
-            self.leases[worker] = 0  # a replica asks again once its last groups are out
+            if not keep:
+                self.leases[worker] = 0  # a replica asks again once its last groups are out
             t0 = self.trainer_version
-            self.cond.wait_for(lambda: (
-                self.done or self.closed or self.trainer_version != t0
-                or (t0 is not None and version < t0)  # a newer adapter to load: at once
-                or self._quota(worker, version, most)[0] > 0), timeout)
+            wait(lambda: (self.done or self.closed or self.trainer_version != t0
+                          or (t0 is not None and version < t0)  # a newer adapter: at once
+                          or rule(worker, version, most)[0] > 0), timeout)
             if self.done:
                 return {"groups": 0, "trainer_version": self.trainer_version, "state": "done",
                         "why": "the trainer is done: exit"}
-            n, why = self._quota(worker, version, most)  # how many: _quota below
-            self.leases[worker] = n
+            n, why = rule(worker, version, most)  # how many: _quota below
+            (lease or self.leases.__setitem__)(worker, n)
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
 

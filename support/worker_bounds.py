@@ -1,7 +1,8 @@
 """RolloutBuffer (proxy.py) as the proxy serves it: GuardedBuffer wraps the plain buffer, which
 does not know it is wrapped, with what a service facing unknown peers and an unequal pool adds.
-Each of its methods calls the plain one; valid groups from one replica go through unchanged
-(the same groups, in the same order, the same quotas: tests/test_proxy.py::
+Each of its methods calls the plain one (quota with the pool's rule, its wait and its leases'
+terms as arguments); valid groups from one replica go through unchanged (the same groups, in
+the same order, the same quotas: tests/test_proxy.py::
 test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged).
 
     the checks       a POST too big for the buffer (413), a version ahead of the trainer (409), a
@@ -185,10 +186,12 @@ class GuardedBuffer:
             return reply
 
     def quota(self, worker, version, most, timeout):
-        """RolloutBuffer.quota for a pool; one replica that delivers its leases: the same answers.
+        """RolloutBuffer.quota with a pool's rule (_quota); one replica that delivers: the same.
 
-        The groups by _quota below, for a worker not banned (403) while the table of leases has
-        room (429); a lease still owed keeps its expiry, one that expired unfilled is charged."""
+        Before it: 403 for a banned worker, 429 while the table of leases is full; a lease still
+        owed keeps its groups and expiry, one that expired unfilled is charged (_default). Its
+        wait also wakes when another's lease expires (_wait_until). After it: the lease's terms
+        (_lease), a slow replica's next probe (_probed), who heard "done"."""
         core = self.core
         with core.cond:
             self._not_banned([worker])  # 403: the trainer caught it (reject)
@@ -197,23 +200,17 @@ class GuardedBuffer:
             owed = lease is not None and core.leases.get(worker, 0) > 0 and lease.until > now
             if lease is not None and not owed:
                 self._default(worker, now)  # an expired lease with groups owed counts against it
-            if not owed:  # it asks again once its last groups are out: its lease ends
-                core.leases[worker] = 0
+            if not owed:  # its lease ends in RolloutBuffer.quota: the terms of its next one
                 self.terms[worker] = Lease(now + timeout + self.lease_timeout, version)
-            t0 = core.trainer_version
             core.cond.notify_all()
-            ready = lambda: (core.done or core.closed or core.trainer_version != t0  # noqa: E731
-                             or (t0 is not None and version < t0)  # a newer adapter: at once
-                             or self._quota(worker, version, most)[0] > 0)
-            self._wait_until(ready, timeout)  # also wakes when another's lease expires
+            reply = core.quota(worker, version, most, timeout, rule=self._quota,
+                               wait=self._wait_until, keep=owed,
+                               lease=lambda w, n: self._lease(w, version, n, owed))
             if core.done:
                 self.told_done.add(worker)
-                return {"groups": 0, "trainer_version": core.trainer_version, "state": "done",
-                        "why": "the trainer is done: exit"}
-            n, why = self._quota(worker, version, most)
-            self._lease(worker, version, n, why, owed)  # its expiry; a slow replica's next probe
-            return {"groups": n, "trainer_version": core.trainer_version, "why": why,
-                    "state": core.state()}
+            else:
+                self._probed(worker, reply["groups"], reply["why"])
+            return reply
 
     def finish(self):
         """RolloutBuffer.finish, nothing added."""
@@ -302,20 +299,23 @@ class GuardedBuffer:
             ends = [lease.until - now for lease in self.terms.values() if lease.until > now]
             self.core.cond.wait(min([left, *ends]))
 
-    def _lease(self, worker, version, n, why, owed=False):
+    def _lease(self, worker, version, n, owed=False):
         """Record the lease of n groups and when it expires; a lease still owed (`owed`) keeps
-        its start and expiry. A slow replica's probe (PROBE): the next one twice as late; a
-        replica leased again is no longer probed."""
+        its start and expiry."""
         now, lease = time.monotonic(), self.terms.get(worker)  # none: banned while it waited
-        if why == PROBE:
-            self.probe_gap[worker] = 2 * self._probe_gap(worker)
-        elif n:
-            self.probe_gap.pop(worker, None)
         if owed and lease is not None:  # the groups it is given now, on the same expiry
             lease.given += n - self.core.leases[worker]
         else:
             self.terms[worker] = Lease(self._expiry(worker, n, now), version, now, n)
         self.core.leases[worker] = n
+
+    def _probed(self, worker, n, why):
+        """A slow replica's probe (PROBE): the next one twice as late; a replica leased again is
+        no longer probed."""
+        if why == PROBE:
+            self.probe_gap[worker] = 2 * self._probe_gap(worker)
+        elif n:
+            self.probe_gap.pop(worker, None)
 
     def _probe_gap(self, worker):
         return self.probe_gap.get(worker, 8 * self.step_s)  # first: 8 of the trainer's steps
