@@ -444,3 +444,28 @@ def test_the_built_in_prompts_are_the_chat_template_of_one_user_message(tiny_mod
     # a plain string is not templated (TRL's rule): its ids are the tokenizer's of the string
     assert rewards.templated(tok, "What is 1 + 1?") == ("What is 1 + 1?",
                                                         tok("What is 1 + 1?")["input_ids"])
+
+
+def test_a_reward_marked_not_deterministic_turns_the_check_off_and_says_so(tiny_model, tmp_path,
+                                                                           capsys):
+    """A function with `deterministic = False` (an LLM judge): the trainer's check is off, the
+    console says why, and a group claiming any reward passes; the same function unmarked is
+    checked."""
+    from transformers import AutoTokenizer
+
+    from support.reward_check import TaskRewards
+
+    (tmp_path / "judge.py").write_text(
+        "def judge(completions, **kwargs):\n    return [0.5 for _ in completions]\n\n"
+        "def marked(completions, **kwargs):\n    return [0.5 for _ in completions]\n\n"
+        "marked.deterministic = False\n")
+    spec = {"task": "arith", "reward_funcs": [f"{tmp_path}/judge.py:marked"]}
+    off = TaskRewards(spec, None, tiny_model)
+    assert off.task is None
+    assert "reward check: off (a reward function of" in capsys.readouterr().out
+    checked = TaskRewards(dict(spec, reward_funcs=[f"{tmp_path}/judge.py:judge"]), None,
+                          tiny_model)
+    assert "reward check: on (arith" in capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    lie = checked_group(tok, checked.task, 0, ["7", "8"], [1.0, 1.0])
+    assert checked.problem(lie)[0] == "reward_mismatch" and off.problem(lie) is None
