@@ -45,6 +45,7 @@ from support.adapter_tags import Untrusted, adapter_key
 from support.buckets import BucketError, CorruptAdapter, open_bucket
 from support.cli import replica_args
 from support.contract import CONTRACT_FLAGS, make_completion, make_group
+from support.defaults import DEFAULTS
 from support.engines import adapter_rank, make_engine, pick_engine
 from support.evaluate import run_eval
 from support.proxy_client import ProxyClient, ProxyError
@@ -319,7 +320,7 @@ def main(argv=None):
     args = replica_args(argv)  # support/cli.py: every flag, with its help
     try:
         # the dataset and the reward functions, loaded before anything starts (support/rewards.py)
-        task = make_task(task_spec(args, "arith"), args.data)
+        task = make_task(task_spec(args, DEFAULTS["task"]), args.data)
         run_eval(args, task, *eval_adapter(args)) if args.eval else run_replica(args, task)
     except (ProxyError, BucketError, RolloutError, TaskError) as e:
         sys.exit(f"rollout.py: error: {e}")
