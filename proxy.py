@@ -95,20 +95,26 @@ class RolloutBuffer:
                     "zero_variance": len(usable) - len(fresh),
                     "trainer_version": self.trainer_version}
 
-    def take(self, n, timeout, gone=lambda: False):
+    def take(self, n, timeout, gone=lambda: False, enough=None, wait=None, pick=None):
         """(groups, version): the n oldest usable groups, waiting up to `timeout` s for n (no
-        busy wait; fewer at the timeout or the end); none if `gone()` (the client left)."""
+        busy wait; fewer at the timeout or the end); none if `gone()` (the client left). Its
+        parts, each replaceable (GuardedBuffer passes a pool's): `enough` (n buffered), `wait`
+        (cond.wait_for), `pick` the groups handed out (_oldest)."""
+        enough = enough or (lambda: len(self.groups) >= n)
         with self.cond:
             # the client answers this by announcing its version again
             if self.trainer_version is None:
                 raise ApiError("no trainer version yet: POST /version first (a restarted proxy "
                                "forgets it)", 409, payload={"need_version": True})
-            self.cond.wait_for(lambda: len(self.groups) >= n or self.done or self.closed,
-                               timeout)
-            out = [] if gone() else [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
+            (wait or self.cond.wait_for)(lambda: enough() or self.done or self.closed, timeout)
+            out = [] if gone() else (pick or self._oldest)(n)
             self.taken += len(out)
             self.cond.notify_all()  # a replica waiting for a quota may now have one
             return out, self.trainer_version
+
+    def _oldest(self, n):
+        """Out of the buffer: its n oldest groups (all of them if it holds fewer)."""
+        return [self.groups.popleft() for _ in range(min(n, len(self.groups)))]
 
     # ---- ALGO, 9-10. the version handshake: how a new adapter reaches the replicas
     #   a. trainer.publish writes the adapter's files, its manifest, then adapters/LATEST (sync.py)

@@ -1,8 +1,8 @@
 """RolloutBuffer (proxy.py) as the proxy serves it: GuardedBuffer wraps the plain buffer, which
 does not know it is wrapped, with what a service facing unknown peers and an unequal pool adds.
-Each of its methods calls the plain one (quota with the pool's rule, its wait and its leases'
-terms as arguments); valid groups from one replica go through unchanged (the same groups, in
-the same order, the same quotas: tests/test_proxy.py::
+Each of its methods calls the plain one (quota and take with the pool's parts as arguments: how
+many groups, which ones, the wait, the leases); valid groups from one replica go through
+unchanged (the same groups, in the same order, the same quotas: tests/test_proxy.py::
 test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged).
 
     the checks       a POST too big for the buffer (413), a version ahead of the trainer (409), a
@@ -141,25 +141,20 @@ class GuardedBuffer:
         """RolloutBuffer.take; one replica's groups: its n oldest, unchanged, and a delivery number.
 
         (groups, version, delivery): at most --max-worker-share of a step from one worker while
-        another supplies (the rest wait for the next step). With `ack` (the last delivery the
-        client read, 0: none), the answer is a delivery held until confirmed: by the next take's
-        ack or by set_version; one not confirmed then was never read (a trainer killed with it
-        unread): back to the buffer."""
+        another supplies (the rest wait for the next step: _within_caps). With `ack` (the last
+        delivery the client read, 0: none), the answer is a delivery held until confirmed: by the
+        next take's ack or by set_version; one not confirmed then was never read (a trainer
+        killed with it unread): back to the buffer."""
         core = self.core
         with core.cond:
-            if core.trainer_version is None:
-                core.take(n, 0)  # 409: POST /version first
             self._confirm(ack)  # the trainer read delivery `ack`; any other went unread: back
             self.waiting += n  # seen by /stats while the wait has released the lock
-            self._wait_for_shares(n, timeout)
-            self.waiting -= n
-            if gone():
-                return [], core.trainer_version, None
-            picked, held = self._over_caps(n)  # groups beyond their worker's cap sit this out
-            try:
-                out, version = core.take(picked, 0)
+            try:  # n groups this step may take (_pick); a supplier's end wakes the wait
+                out, version = core.take(n, timeout, gone, wait=self._wait_for_suppliers,
+                                         enough=lambda: len(self._pick(n, time.monotonic())) >= n,
+                                         pick=self._within_caps)
             finally:
-                core.groups.extendleft(reversed(held))
+                self.waiting -= n
             self._deliver(out, version)
             return out, version, self._hold(out, ack)  # until the next ack
 
@@ -465,18 +460,24 @@ class GuardedBuffer:
                 picked.append(i)
         return picked
 
-    def _wait_for_shares(self, n, timeout):
-        """Wait (the lock released) up to `timeout` s for n groups this step may take (_pick),
-        the end of the run or a closed proxy; a supplier whose lease or grace ends meanwhile is
-        looked at again the moment it ends."""
-        core, deadline = self.core, time.monotonic() + timeout
-        while not (core.done or core.closed):
+    def _wait_for_suppliers(self, ready, timeout):
+        """Wait (the lock released) until ready() or `timeout` s; a supplier whose lease or grace
+        ends meanwhile changes what a step may take (_pick): look again the moment it ends."""
+        deadline = time.monotonic() + timeout
+        while not ready() and (left := deadline - time.monotonic()) > 0:
             now = time.monotonic()
-            if len(self._pick(n, now)) >= n or (left := deadline - now) <= 0:
-                break
             ends = [end - now for w in self.terms if w in self.pace
                     and (end := self._supplier_end(w)) > now]
-            core.cond.wait(min([left, *ends]))
+            self.core.cond.wait(min([left, *ends]))
+
+    def _within_caps(self, n):
+        """RolloutBuffer._oldest of the groups this step may take (_pick): up to n, oldest first;
+        the groups before them it may not take stay in the buffer, in order."""
+        k, held = self._over_caps(n)
+        try:
+            return self.core._oldest(k)
+        finally:
+            self.core.groups.extendleft(reversed(held))
 
     def _over_caps(self, n):
         """(k, held): the k groups this step may take (_pick) first in the buffer; out of it, in
