@@ -1317,6 +1317,26 @@ def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(c
     assert sum(len(out[0]) for call, out in trace[id(plain)] if call == "take") >= 24
 
 
+def test_a_forkers_edit_of_the_plain_quota_and_take_reaches_the_guarded_buffer():
+    """README's step points a forker at RolloutBuffer.quota and take: GuardedBuffer (as served)
+    calls them, so an edit there changes what the proxy serves. Here a quota answer with a field
+    of its own, and a take that hands out the newest groups first (RolloutBuffer._oldest)."""
+    class Forked(RolloutBuffer):
+        def quota(self, *args, **kwargs):
+            return {**super().quota(*args, **kwargs), "forked": True}
+
+        def _oldest(self, n):
+            return [self.groups.pop() for _ in range(min(n, len(self.groups)))]
+
+    buf = GuardedBuffer(Forked({"num_generations": 2, "groups_per_step": 2}))
+    buf.set_version(0)
+    q = buf.quota("r", 0, 100, 0)
+    assert q.get("forked") and q["groups"] == 2, q
+    buf.add([make_group(f"g{i}", 0, worker="r") for i in range(2)])
+    groups, version, _ = buf.take(2, 0)
+    assert ([g["group_id"] for g in groups], version) == (["g1", "g0"], 0)
+
+
 def test_a_worker_banned_while_its_quota_poll_waits_gets_an_answer():
     """POST /reject bans a worker whose GET /quota long poll is waiting: the poll still answers
     (an in-flight lease; its groups then meet 403), never an internal error."""
