@@ -149,8 +149,8 @@ class GuardedBuffer:
         with core.cond:
             self._confirm(ack)  # the trainer read delivery `ack`; any other went unread: back
             self.waiting += n  # seen by /stats while the wait has released the lock
-            try:  # n groups this step may take (_pick); a supplier's end wakes the wait
-                out, version = core.take(n, timeout, gone, wait=self._wait_for_suppliers,
+            try:  # n groups this step may take (_pick)
+                out, version = core.take(n, timeout, gone, wait=self._wait_until,
                                          enough=lambda: len(self._pick(n, time.monotonic())) >= n,
                                          pick=self._within_caps)
             finally:
@@ -286,13 +286,15 @@ class GuardedBuffer:
         return max(1, min(keeping, math.ceil(lease_s / train_s)))
 
     def _wait_until(self, ready, timeout):
-        """Wait (the lock released) until ready() or `timeout` s; another's lease may expire
-        meanwhile, which can make ready() true: look again the moment it does."""
+        """Wait (the lock released) until ready() or `timeout` s; a lease that expires or a
+        supplier's grace that ends meanwhile (_quota's, _pick's terms) can make ready() true:
+        look again the moment it does."""
         deadline = time.monotonic() + timeout
         while not ready() and (left := deadline - time.monotonic()) > 0:
             now = time.monotonic()
-            ends = [lease.until - now for lease in self.terms.values() if lease.until > now]
-            self.core.cond.wait(min([left, *ends]))
+            ends = [lease.until for lease in self.terms.values()]
+            ends += [self._supplier_end(w) for w in self.terms if w in self.pace]
+            self.core.cond.wait(min([left, *(end - now for end in ends if end > now)]))
 
     def _lease(self, worker, version, n, owed=False):
         """Record the lease of n groups and when it expires; a lease still owed (`owed`) keeps
@@ -459,16 +461,6 @@ class GuardedBuffer:
                 room[w] -= 1
                 picked.append(i)
         return picked
-
-    def _wait_for_suppliers(self, ready, timeout):
-        """Wait (the lock released) until ready() or `timeout` s; a supplier whose lease or grace
-        ends meanwhile changes what a step may take (_pick): look again the moment it ends."""
-        deadline = time.monotonic() + timeout
-        while not ready() and (left := deadline - time.monotonic()) > 0:
-            now = time.monotonic()
-            ends = [end - now for w in self.terms if w in self.pace
-                    and (end := self._supplier_end(w)) > now]
-            self.core.cond.wait(min([left, *ends]))
 
     def _within_caps(self, n):
         """RolloutBuffer._oldest of the groups this step may take (_pick): up to n, oldest first;
