@@ -25,6 +25,7 @@ import time
 from support import http_hardening
 from support.contract import (CONTRACT, INDEX, MAX_INT, NAME, OLD_NAMES, TEXT, ConfigError,
                               check_fields)
+from support.defaults import DEFAULTS
 from support.http_hardening import ApiError
 from support.proxy_client import TOKEN_HEADER
 
@@ -217,10 +218,11 @@ def check_service(host, token, rollout_token, contract, max_groups, max_buffer_m
                           f"{sorted(set(contract) - set(CONTRACT))}")
 
 
-TRAINER_TIMEOUT_S = 1200.0  # run_until_done's default: env PROXY_TRAINER_TIMEOUT overrides it
-# ... and before the trainer's first sign: its job's scheduling, image pull, install, model
-# download and first publish (env PROXY_TRAINER_START_TIMEOUT overrides it)
-TRAINER_START_TIMEOUT_S = 3600.0
+# run_until_done's bounds on the trainer's silence (support/defaults.py): after its first sign,
+# and before it (the trainer job's scheduling, image pull, install, model download, first
+# publish); env PROXY_TRAINER_TIMEOUT and PROXY_TRAINER_START_TIMEOUT override them
+TRAINER_TIMEOUT_S = DEFAULTS["trainer_timeout"]
+TRAINER_START_TIMEOUT_S = DEFAULTS["trainer_start_timeout"]
 
 
 def trainer_signs(buf):
