@@ -1,6 +1,8 @@
 """trainer.py as N processes of one job, one device each (data parallel, PyTorch's own collectives
 within the job; the proxy and the replicas still see one trainer). Not needed to follow the GRPO
-step: with one process (a plain `python trainer.py`) every call here returns at once.
+step: with one process (a plain `python trainer.py`) every call here returns at once, leaving its
+argument as it is (spread: grpo_update itself; full_state: (None, optimizer.state_dict()), so
+publish saves the model's own LoRA).
 
     torchrun --standalone --nproc-per-node 2 trainer.py --model ... --bucket ... --proxy ...
     torchrun --standalone --nproc-per-node 2 trainer.py --fsdp ...  # FSDP2: support/fsdp.py
