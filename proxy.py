@@ -143,8 +143,9 @@ class RolloutBuffer:
               lease=None):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end
         of the run. The answer is the replica's lease: the groups to make now. Its parts, each
-        replaceable (GuardedBuffer passes a pool's): `rule` how many (_quota), `wait` the wait
-        (cond.wait_for), `keep` the lease still owed, `lease` its record (self.leases)."""
+        replaceable (GuardedBuffer passes a pool's): `rule` how many (_quota; a pool's calls it
+        with its terms), `wait` the wait (cond.wait_for), `keep` the lease still owed, `lease`
+        its record (self.leases)."""
         rule, wait = rule or self._quota, wait or self.cond.wait_for
         with self.cond:
             if not keep:
@@ -161,17 +162,28 @@ class RolloutBuffer:
             return {"groups": n, "trainer_version": self.trainer_version, "why": why,
                     "state": self.state()}
 
-    def _quota(self, worker, version, most):
+    def _quota(self, worker, version, most, leased=None, ahead=1, step=None, share=None):
         """(groups, why) for a replica holding adapter `version`: how many groups to make now so
         that the trainer never waits and no group is older than it must be. The trainer at t
         takes B groups a step; groups made now with v serve trainer versions up to v + S and are
         wanted one step ahead (t + 1). So: the groups of steps t .. min(v + S, t + 1), less those
         this step took, those buffered and those leased to the other replicas (_lack), at most
         a step's B (_lease_size; at most `most`). With one replica: min((min(v + S, t + 1) - t +
-        1) * B - taken - buffered, B) groups."""
-        leased = sum(n for w, n in self.leases.items() if w != worker)
-        lack, why = self._lack(version, 1, leased)
-        return (self._lease_size(worker, lack, most), None) if lack > 0 else (0, why)
+        1) * B - taken - buffered, B) groups.
+        A pool of unequal replicas (GuardedBuffer) passes its terms; None is one replica's:
+        `leased` the other replicas' groups that will come (all their leases), `ahead` steps
+        ahead (1), `step` this replica's lease for a step (B), `share` the groups it may still
+        make of those steps (all of them)."""
+        if leased is None:
+            leased = sum(n for w, n in self.leases.items() if w != worker)
+        lack, why = self._lack(version, ahead, leased)
+        if lack <= 0:
+            return 0, why
+        if share is not None and share <= 0:
+            return 0, ("this replica made its share of the steps it can serve "
+                       "(--max-worker-share): the others make the rest")
+        lack = lack if share is None else min(lack, share)
+        return self._lease_size(worker, lack, most, step), None
 
     def _lack(self, version, ahead, leased):
         """(groups, why): how many groups made now with adapter `version` the trainer lacks: those
@@ -256,17 +268,24 @@ class Routes(ProxyHandler):
     def _route(self, path, query):
         b = self.buffer  # serve()'s GuardedBuffer around RolloutBuffer
         if path == "/rollouts":  # each group checked (400 naming the field) before anything
-            groups = validate_rollouts(self.read_json(), b.max_groups, b.contract)
+            body = self.read_json()
+            groups = validate_rollouts(body, b.max_groups, b.contract)
             for i, g in enumerate(groups):
                 self._check_worker(g["worker"], f"groups[{i}].worker")
+            # groups a reward function failed on, dropped by the replica: against its lease too
+            failed = (body["worker"], body["reward_errors"]) if body.get("reward_errors") else None
+            if failed:
+                self._check_worker(failed[0], "worker")
             # a replica's credential: its groups count against its lease
-            return b.add(groups, limited=self.bound is not None)
+            return b.add(groups, limited=self.bound is not None, failed=failed)
         if path == "/batch":
             q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})
             ack = query_int(q, "ack", 0, MAX_INT) if q["ack"] else None
             n = query_int(q, "groups", 1, b.max_groups)
             groups, version, delivery = b.take(n, query_seconds(q), self.peer_gone, ack)
-            answer = {"groups": groups, "trainer_version": version}
+            # reward_errors: the run's groups the replicas dropped for a failed reward function
+            answer = {"groups": groups, "trainer_version": version,
+                      "reward_errors": b.counts["reward_errors"]}
             # a delivery number: the client acknowledges it with its next call
             return answer if delivery is None else {**answer, "delivery": delivery}
         if path == "/quota":

@@ -116,7 +116,7 @@ class Replica:
         trainer is done."""
         # 1. ask: how many groups to make now. A long poll, answered at once when the trainer is
         #    past our adapter (the version handshake: proxy.RolloutBuffer.quota).
-        most = self.args.prompts_per_batch or 4096
+        most = self.args.prompts_per_batch or 4096  # --prompts-per-batch 0 (default): the lease
         q = self.client.quota(self.worker, self.version, most, timeout=30.0)
         self.trainer_version = t = q["trainer_version"]
         if q["state"] == "done":
@@ -162,7 +162,7 @@ class Replica:
         # The group record (GROUP, support/contract.py), naming its row: the trainer recomputes
         # each reward from it and the decoded ids (support/reward_check.py), so they are scored
         # here the same way. All-equal rewards are sent too: the proxy's --zero-variance decides.
-        groups, tok = [], self.engine.tokenizer
+        groups, failed, tok = [], 0, self.engine.tokenizer
         for i, group_samples in zip(idx, samples):
             text, ids = self.prompts[i]
             sampled = [s.ids for s in group_samples]
@@ -170,8 +170,8 @@ class Replica:
                 rewards, _ = self.task.score(self.items[i], [completion_text(tok, x)
                                                              for x in sampled], sampled,
                                              f"train row {i}")
-            except RewardFuncError as e:  # the group is dropped, the run goes on
-                self.reward_errors += 1
+            except RewardFuncError as e:  # the group is dropped (counted), the run goes on
+                failed, self.reward_errors = failed + 1, self.reward_errors + 1
                 self.log(f"group dropped ({self.reward_errors} so far): {e}")
                 continue
             completions = [make_completion(ids=s.ids, logprobs=s.logprobs, text=s.text,
@@ -183,10 +183,14 @@ class Replica:
                                      max_completion_length=args.max_completion_length,
                                      completions=completions, item=i))
         if not groups:
+            if failed:  # the proxy counts them off this replica's lease, and for the trainer
+                self.client.post_rollouts([], self.worker, failed)
             return None
-        # POSTs of at most groups_per_step groups: what the proxy's body limit is sized for
+        # POSTs of at most groups_per_step groups: what the proxy's body limit is sized for (the
+        # first one says how many a reward function failed on: the trainer's step counts them)
         k = self.args.post_groups
-        replies = [self.client.post_rollouts(groups[i:i + k]) for i in range(0, len(groups), k)]
+        replies = [self.client.post_rollouts(groups[i:i + k], self.worker, failed * (i == 0))
+                   for i in range(0, len(groups), k)]
         reply = {key: sum(r.get(key, 0) for r in replies) for key in ("accepted", "stale")}
         self.batches += 1
         return self.log_batch(groups, reply, gen_s)

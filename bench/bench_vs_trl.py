@@ -458,6 +458,9 @@ def train_trl(a, settings, work, steps, save_steps, threads, malloc, resume=Fals
         shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, exist_ok=True)
     script, steps_log = os.path.join(work, "train_trl.py"), os.path.join(work, "steps.jsonl")
+    if resume and finished(steps_log):  # stopped after training (in the evaluation): not one more step
+        recs = read_jsonl(steps_log)
+        return [r["time"] for r in recs if r["event"] == "train_begin"][-1], recs
     with open(script, "w") as f:
         f.write(TRL_SCRIPT)
     cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings,
@@ -468,8 +471,19 @@ def train_trl(a, settings, work, steps, save_steps, threads, malloc, resume=Fals
                    trl_env(threads, malloc))
     if rc != 0:
         sys.exit(f"bench_vs_trl.py: error: TRL's training failed (exit {rc}), see {work}/trl.log")
-    with open(steps_log) as f:
-        return t0, [json.loads(line) for line in f]
+    return t0, read_jsonl(steps_log)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def finished(steps_log):
+    """Whether the last attempt in steps.jsonl ended its training (a resumed HF Trainer whose last
+    checkpoint is its max_steps still trains one step more)."""
+    events = [r["event"] for r in read_jsonl(steps_log)] if os.path.exists(steps_log) else []
+    return bool(events) and events[-1] == "train_end"
 
 
 def probe_trl(a, settings, out):
@@ -503,7 +517,7 @@ def run_trl(a, settings, out):
         f"{a.trl_threads} thread(s), {a.trl_malloc} malloc (log: {work}/trl.log)")
     (t0, recs), sampler = sampled(train_trl, a, settings, work, a.steps, a.eval_every,
                                   a.trl_threads, a.trl_malloc, getattr(a, "resume", False))
-    end = next(r["time"] for r in recs if r["event"] == "train_end")
+    end = [r["time"] for r in recs if r["event"] == "train_end"][-1]
     steps = list({r["step"]: r for r in recs if r["event"] == "step"}.values())  # resumed: the last
     curve = [{"step": r["step"], "t": r["time"] - t0, "reward": r["reward"]} for r in steps]
     timed = steps[1:] or steps  # the first step warms up (allocations, the optimizer's state)

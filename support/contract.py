@@ -80,6 +80,11 @@ GROUP = {"group_id": NAME,  # unique: a group_id seen before is a retry
 # row in the dataset's train split (support/rewards.py's Task), so that the trainer can check
 # the prompt and recompute every reward with the same functions (support/reward_check.py)
 GROUP_OPTIONAL = {"item": INDEX}
+# a POST /rollouts body's optional fields beside "groups": the groups of the replica's lease that
+# a reward function failed on (dropped there), and the replica's name (validate_rollouts)
+ROLLOUTS_OPTIONAL = {"reward_errors": (lambda v: type(v) is int and 0 <= v <= MAX_COMPLETIONS,
+                                       f"an integer in [0, {MAX_COMPLETIONS}]"),
+                     "worker": NAME}
 COMPLETION = {"ids": TOKEN_IDS,  # the sampled ids, up to and including the first EOS
               "logprobs": (lambda v: type(v) is list, "a list of numbers"),  # one per id, sampler's
               "reward": FINITE, "text": TEXT,
@@ -179,10 +184,18 @@ def check_model_limits(g, contract, where):
 
 def validate_rollouts(payload, max_groups, contract):
     """The groups of a POST /rollouts body, every one checked before anything is changed (kept as
-    posted: a group with the length's old name, max_new_tokens, is handed out with it)."""
-    body = {"groups": (lambda v: type(v) is list and v != [], "a non-empty list")}
+    posted: a group with the length's old name, max_new_tokens, is handed out with it). Optional:
+    `reward_errors`, the groups its replica dropped because a reward function failed on them,
+    with its `worker` (then `groups` may be empty): counted against its lease and in the
+    trainer's step (support/worker_bounds.py's GuardedBuffer.add)."""
+    check(type(payload) is dict, "body", "must be a JSON object")
+    body = {"groups": (lambda v: type(v) is list, "a list"),
+            **{k: v for k, v in ROLLOUTS_OPTIONAL.items() if k in payload}}
     check_fields(payload, "body", body)
-    groups = payload["groups"]
+    groups, failed = payload["groups"], payload.get("reward_errors", 0)
+    check(groups != [] or failed > 0, "groups", "must be a non-empty list (or reward_errors > 0)")
+    check(not failed or "worker" in payload, "worker", "missing: the worker whose reward "
+          "functions failed (reward_errors counts against its lease)")
     check(len(groups) <= max_groups, "groups",
           f"{len(groups)} in one POST exceed --max-groups {max_groups}")
     for i, g in enumerate(groups):

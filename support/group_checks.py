@@ -49,6 +49,7 @@ class UsableGroups:
         self.client, self.vocab_size, self.limits = client, vocab_size, limits
         self.rewards = rewards
         self.dropped = {}  # kind -> groups dropped since the last lap
+        self.reward_errors = 0  # the proxy's count of the replicas' drops at the last lap
 
     def __call__(self, groups):
         kept, reports = [], []
@@ -72,8 +73,13 @@ class UsableGroups:
         return kept
 
     def lap(self):
-        """kind -> groups dropped since the last lap (a step's `groups_dropped`)."""
-        dropped, self.dropped = self.dropped, {}
+        """kind -> groups dropped since the last lap (a step's `groups_dropped`); with
+        "reward_func_error", those the replicas dropped because a reward function failed on them
+        (the proxy counts them: ProxyClient.reward_errors; a restarted proxy counts from 0)."""
+        total = getattr(self.client, "reward_errors", 0)
+        if (new := total - self.reward_errors if total >= self.reward_errors else total) > 0:
+            self.dropped["reward_func_error"] = new
+        self.reward_errors, (dropped, self.dropped) = total, (self.dropped, {})
         return dropped
 
 

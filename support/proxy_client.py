@@ -51,8 +51,9 @@ class ProxyClient:
         # the last version this client announced: announced again to a restarted proxy; and what
         # the trainer's model takes, announced with every version (set_limits)
         self.version, self.limits = None, {}
-        # the last GET /batch answer read, acknowledged by the next call (0: none yet)
-        self.delivery = 0
+        # the last GET /batch answer read, acknowledged by the next call (0: none yet); and the
+        # run's groups the replicas dropped for a failed reward function, as it said
+        self.delivery, self.reward_errors = 0, 0
         if token := token or os.environ.get("PROXY_TOKEN"):
             self.session.headers[TOKEN_HEADER] = token
         # a gateway in front (HF Jobs)
@@ -75,10 +76,16 @@ class ProxyClient:
                                  f"proxy.py; drop {flag}, or restart proxy.py with {flag} {value}")
         return config
 
-    def post_rollouts(self, groups):
-        return self._call("POST", "/rollouts", {"groups": groups})
+    def post_rollouts(self, groups, worker=None, reward_errors=0):
+        """POST /rollouts: a replica's groups, and how many of its lease a reward function
+        failed on (dropped there). Returns the proxy's counts (accepted, stale, ...)."""
+        failed = {"worker": worker, "reward_errors": reward_errors} if reward_errors else {}
+        return self._call("POST", "/rollouts", {"groups": groups, **failed})
 
     def quota(self, worker, version, most, timeout=30.0):
+        """GET /quota: how many groups this replica, holding adapter `version`, makes now (at most
+        `most`): the proxy's answer as it is ({groups, trainer_version, state, why}), after up to
+        `timeout` s of its long poll."""
         params = {"worker": worker, "version": version, "max": most, "timeout": timeout}
         return self._call("GET", "/quota", params=params, wait=timeout)
 
@@ -95,6 +102,7 @@ class ProxyClient:
             self.set_version(self.version)
             answer = self._batch(n, timeout)
         self.delivery = answer.get("delivery") or self.delivery
+        self.reward_errors = answer.get("reward_errors", self.reward_errors)
         return answer
 
     def _batch(self, n, timeout):
@@ -102,6 +110,8 @@ class ProxyClient:
         return self._call("GET", "/batch", params=params, wait=timeout)
 
     def set_version(self, version):
+        """POST /version: the trainer is at `version` (with set_limits' values); a proxy.py too
+        old to take the limits gets the version alone."""
         try:
             answer = self._call("POST", "/version", {"version": version, **self.limits})
         except ProxyError as e:  # an older proxy.py takes no limits: announce the version alone
@@ -125,6 +135,7 @@ class ProxyClient:
         return self._call("POST", "/reject", {"groups": reports})
 
     def done(self):
+        """POST /done: the run is over."""
         return self._call("POST", "/done", {})
 
     def stats(self):

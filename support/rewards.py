@@ -19,8 +19,9 @@ The calling convention (TRL's GRPOTrainer._calculate_rewards, read in TRL's sour
 
 Departures from TRL, each a place where TRL would train on a number nobody chose: a function
 that raises, returns another length, NaN, an infinity, |r| > REWARD_LIMIT (1e6) or anything but
-a number (bool counts) or None is reported with its name and the row, and that group is dropped;
-the run goes on (RewardFuncError). TRL's extra keywords that are trainer objects (trainer_state,
+a number (bool counts) or None is reported with its name and the row, and that group is dropped
+and counted in the trainer's step (groups_dropped["reward_func_error"]); the run goes on
+(RewardFuncError). TRL's extra keywords that are trainer objects (trainer_state,
 log_extra, log_metric, environments) are not passed: a function that needs them cannot run here.
 
 Deterministic functions are recomputed by the trainer (support/reward_check.py). One that is

@@ -84,7 +84,7 @@ class GuardedBuffer:
         self.counts = dict.fromkeys(["received", *WORKER_COUNTS, "dropped_zero_variance",
                                      "refused_full", "returned", "rejected",
                                      "refused_connections", "closed_idle",
-                                     "dropped_by_trainer"], 0)
+                                     "dropped_by_trainer", "reward_errors"], 0)
         self.workers = {}  # worker name -> its own WORKER_COUNTS
         # when the trainer announced its version (monotonic s); lately (moving averages): seconds
         # per version, and seconds from a version's announcement to its batch complete (its wait)
@@ -115,23 +115,31 @@ class GuardedBuffer:
 
     # ---- RolloutBuffer's methods, wrapped
 
-    def add(self, groups, limited=False):
+    def add(self, groups, limited=False, failed=None):
         """RolloutBuffer.add; valid new groups within the sender's lease: its answer, unchanged.
 
         Before it, the checks (413, 409, 403, 429); retries and (`limited`: a replica's
-        credential) groups beyond the sender's lease are counted, not passed on. After it, the
-        counters and the senders' paces."""
+        credential) groups beyond the sender's lease are counted, not passed on. `failed`:
+        (worker, n), n groups of its lease dropped by the replica because a reward function
+        failed: off its lease (at most what it owes) and counted (reward_errors, handed to the
+        trainer with each batch). After it, the counters and the senders' paces."""
         core = self.core
         self._fits(groups)  # 413: more than the whole buffer
         with core.cond:
             self._not_ahead(groups, core.trainer_version)  # 409: no adapter of the trainer's
-            self._not_banned({g["worker"] for g in groups})  # 403: the trainer caught its sender
+            # 403: the trainer caught its sender
+            self._not_banned({g["worker"] for g in groups} | ({failed[0]} if failed else set()))
             # a group_id seen before, or twice in this POST, is a retry: counted, not kept
             new, dups, over = self._new(groups, limited)
             self.counts["received"] += len(groups)
             # 429, nothing kept, when the buffer cannot hold what it would keep
             size = self._room([g for g in new if core._usable(g) and core._varied(g)], len(groups))
             owed = {g["worker"]: core.leases.get(g["worker"], 0) for g in new}
+            if failed:  # made and dropped: no longer owed
+                worker, n = failed[0], min(failed[1], core.leases.get(failed[0], 0))
+                owed.setdefault(worker, core.leases.get(worker, 0))
+                core.leases[worker] = core.leases.get(worker, 0) - n
+                self.counts["reward_errors"] += n
             reply = core.add(new)
             self._remember(new, dups, over, reply["zero_variance"], owed)
             self.nbytes += size
@@ -222,35 +230,27 @@ class GuardedBuffer:
     # ---- the pool's quota: RolloutBuffer._quota's terms for replicas of unequal speed
 
     def _quota(self, worker, version, most):
-        """RolloutBuffer._quota for a pool: leased to others counts only the leases that will
-        arrive in time (_coming); more steps ahead for a pool whose leases outlast a trainer step
-        (_ahead); at most this worker's share of each step (_allowance) and of a lease, by its
-        measured speed (_lease_size); and only what arrives in time (_in_time)."""
+        """RolloutBuffer._quota with a pool's terms: leased to others counts only the leases that
+        will arrive in time (_coming); more steps ahead for a pool whose leases outlast a trainer
+        step (_ahead); at most this worker's share of each step (_allowance) and of a lease, by
+        its measured speed (_shares); then only what arrives in time (_in_time)."""
         core, now, t = self.core, time.monotonic(), self.core.trainer_version
         # the other replicas' live leases that will arrive in time: groups already coming
         others = [core.leases.get(w, 0) for w in self.terms if self._coming(worker, w, now)]
-        leased = sum(n for n in others if n > 0)
         ahead = self._ahead(worker, 1 + len(others), now)
-        lack, why = core._lack(version, ahead, leased)
-        if lack <= 0:
+        share = step = None
+        if t is not None:  # while others supply, one worker makes at most its share (_cap)
+            horizon = min(version + core.contract["max_staleness"], t + ahead)
+            share = self._allowance(worker, horizon - t + 1, now)
+            shares = self._shares(now, worker)
+            step = round(core.contract["groups_per_step"] * shares[worker])
+        n, why = core._quota(worker, version, most, leased=sum(n for n in others if n > 0),
+                             ahead=ahead, step=step, share=share)
+        if n == 0:
             return 0, why
-        horizon = min(version + core.contract["max_staleness"], t + ahead)
-        # while others supply, one worker makes at most its share of each step (_cap)
-        if (mine := self._allowance(worker, horizon - t + 1, now)) <= 0:
-            return 0, (f"this worker supplied its share of the steps up to v{horizon} "
-                       f"(--max-worker-share {self.max_worker_share:g}): the others make the rest")
-        n = self._lease_size(worker, min(lack, mine), most, now)
-        return self._in_time(worker, version, n, now)
-
-    def _lease_size(self, worker, lack, most, now):
-        """RolloutBuffer._lease_size of this replica's share of a step (_shares: by its measured
-        speed); one group for a new replica among others (nobody waits for it: its measure)."""
-        c = self.core.contract
-        shares = self._shares(now, worker)
-        n = self.core._lease_size(worker, lack, most, round(c["groups_per_step"] * shares[worker]))
-        if c["max_staleness"] > 0 and worker not in self.pace and len(shares) > 1:
+        if core.contract["max_staleness"] > 0 and worker not in self.pace and len(shares) > 1:
             n = 1  # a new replica among others: one group to measure it on, nobody waits for it
-        return n
+        return self._in_time(worker, version, n, now)
 
     def _in_time(self, worker, version, n, now):
         """(n, None), or fewer for a replica the others do not wait for (_overtaken): only the

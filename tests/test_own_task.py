@@ -220,6 +220,10 @@ def test_bad_reward_functions_lose_nothing_the_run_goes_on(tiny_model, tmp_path)
     out, log, metrics = run_roles(tmp_path, tiny_model, flags, steps=6,
                                   proxy_flags=["--max-prompt-length", "80"])
     assert [m["step"] for m in metrics] == list(range(1, 7))
+    # the replica's drops reach the trainer's step metrics (through the proxy, with the batches)
+    counted = sum(m["groups_dropped"].get("reward_func_error", 0) for m in metrics)
+    assert 1 <= counted <= log.count("group dropped"), ([m["groups_dropped"] for m in metrics],
+                                                        log.count("group dropped"))
     for says in ("raised KeyError: 'no such thing'", "returned 1 rewards for 8 completions",
                  "'nan' (float) is not a finite", "'x' (str) is not a finite",
                  "'1000000000000.0' (float) is not a finite"):

@@ -28,6 +28,7 @@ import requests
 
 from conftest import ROOT, free_port, wait_port
 from proxy import RolloutBuffer, serve
+from support.group_checks import UsableGroups
 from support.worker_bounds import GuardedBuffer
 from support.contract import ConfigError
 from support.http_hardening import parse_query, query_seconds
@@ -879,6 +880,34 @@ def test_cli_prints_a_replica_token_bound_to_a_worker():
     assert out.returncode != 0 and "--print-replica-token needs ROLLOUT_TOKEN" in out.stderr
 
 
+def test_groups_a_reward_function_failed_on_come_off_the_lease_and_reach_the_trainer(proxy):
+    """A replica whose reward function failed on groups of its lease says how many with its POST
+    (reward_errors, support/contract.py): they come off its lease at once (at most what it
+    owes), so the step asks a replica for them again; each /batch answer carries the run's count,
+    which the trainer's step records (UsableGroups.lap: groups_dropped["reward_func_error"])."""
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=0, groups_per_step=4)
+    trainer, replica = ProxyClient(url, token=TOKEN), replica_client(url, "r")
+    trainer.set_version(0)
+    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 4
+    assert replica.post_rollouts(groups_for("r", 0, 3, "a"), "r", reward_errors=1)["accepted"] == 3
+    assert (trainer.stats()["reward_errors"], trainer.stats()["leased"]) == (1, {})
+    assert replica.quota("r", 0, 100, timeout=0)["groups"] == 1  # the step still lacks one
+    replica.post_rollouts([], "r", reward_errors=5)  # all of a lease failed: nothing else to send
+    assert trainer.stats()["reward_errors"] == 2  # at most the one it owed
+    usable = UsableGroups(trainer, vocab_size=1000)
+    assert len(usable(trainer.get_batch(4, timeout=0)["groups"])) == 3
+    assert usable.lap() == {"reward_func_error": 2} and usable.lap() == {}
+    for body, status, says in [
+            ({"groups": [], "reward_errors": 1}, 400, "worker: missing"),
+            ({"groups": []}, 400, "groups: must be a non-empty list"),
+            ({"groups": [], "worker": "r", "reward_errors": "1"}, 400, "reward_errors: must be"),
+            ({"groups": [], "worker": "other", "reward_errors": 1}, 403, "bound to worker 'r'")]:
+        r = requests.post(url + "/rollouts", json=body, headers=auth(replica_token(REPLICA_TOKEN,
+                                                                                   "r")))
+        assert r.status_code == status and says in r.json()["error"], (body, r.text)
+    assert trainer.stats()["reward_errors"] == 2
+
+
 def test_the_quota_is_enforced_a_flood_cannot_fill_the_trainers_batch(proxy):
     url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, max_staleness=1, groups_per_step=4)
     trainer = ProxyClient(url, token=TOKEN)
@@ -1318,12 +1347,17 @@ def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(c
 
 
 def test_a_forkers_edit_of_the_plain_quota_and_take_reaches_the_guarded_buffer():
-    """README's step points a forker at RolloutBuffer.quota and take: GuardedBuffer (as served)
-    calls them, so an edit there changes what the proxy serves. Here a quota answer with a field
-    of its own, and a take that hands out the newest groups first (RolloutBuffer._oldest)."""
+    """README's step points a forker at RolloutBuffer.quota, its rule _quota and take:
+    GuardedBuffer (as served) calls them, so an edit there changes what the proxy serves. Here a
+    quota answer with a field of its own, a rule that leases one group at a time, and a take that
+    hands out the newest groups first (RolloutBuffer._oldest)."""
     class Forked(RolloutBuffer):
         def quota(self, *args, **kwargs):
             return {**super().quota(*args, **kwargs), "forked": True}
+
+        def _quota(self, worker, version, most, **pool_terms):
+            n, why = super()._quota(worker, version, most, **pool_terms)
+            return min(n, 1), why
 
         def _oldest(self, n):
             return [self.groups.pop() for _ in range(min(n, len(self.groups)))]
@@ -1331,8 +1365,10 @@ def test_a_forkers_edit_of_the_plain_quota_and_take_reaches_the_guarded_buffer()
     buf = GuardedBuffer(Forked({"num_generations": 2, "groups_per_step": 2}))
     buf.set_version(0)
     q = buf.quota("r", 0, 100, 0)
-    assert q.get("forked") and q["groups"] == 2, q
-    buf.add([make_group(f"g{i}", 0, worker="r") for i in range(2)])
+    assert q.get("forked") and q["groups"] == 1, q
+    buf.add([make_group("g0", 0, worker="r")])
+    assert buf.quota("r", 0, 100, 0)["groups"] == 1
+    buf.add([make_group("g1", 0, worker="r")])
     groups, version, _ = buf.take(2, 0)
     assert ([g["group_id"] for g in groups], version) == (["g1", "g0"], 0)
 
