@@ -1346,6 +1346,25 @@ def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(c
     assert sum(len(out[0]) for call, out in trace[id(plain)] if call == "take") >= 24
 
 
+def test_one_replicas_long_poll_waits_and_wakes_the_same_plain_and_guarded():
+    """The waits as well as the answers: a poll with nothing to lease waits (RolloutBuffer's
+    cond.wait_for; GuardedBuffer's _wait_until) through the step's take, the trainer's next
+    version wakes it, and the answer is the same."""
+    answers = []
+    for buf in (RolloutBuffer, lambda c: GuardedBuffer(RolloutBuffer(c))):
+        buf = buf({"num_generations": 2, "groups_per_step": 2, "max_staleness": 1})
+        buf.set_version(0)
+        for step in range(2):  # steps 0 and 1's groups, made with v0
+            assert buf.quota("r", 0, 100, 0)["groups"] == 2
+            buf.add([make_group(f"g{step}{i}", 0, worker="r") for i in range(2)])
+        threading.Timer(0.2, buf.take, (2, 0)).start()  # taken: still none lacking
+        threading.Timer(0.4, buf.set_version, (1,)).start()  # v1: the poll answers at once
+        t0 = time.monotonic()
+        answers.append(buf.quota("r", 0, 100, 5))
+        assert 0.35 < time.monotonic() - t0 < 4, time.monotonic() - t0
+    assert answers[0] == answers[1] and answers[0]["trainer_version"] == 1, answers
+
+
 def test_a_forkers_edit_of_the_plain_quota_and_take_reaches_the_guarded_buffer():
     """README's step points a forker at RolloutBuffer.quota, its rule _quota and take:
     GuardedBuffer (as served) calls them, so an edit there changes what the proxy serves. Here a
