@@ -57,6 +57,8 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from support.defaults import DEFAULTS  # the keywords' defaults: trainer.py's flags' (TRL's)
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 OLD_LOGPROBS = ("sampler", "learner")  # whose log-probs are the ratio's old policy (departure 2)
@@ -74,7 +76,7 @@ LOG_RATIO_MAX = 20.0  # exp(20) = 4.9e8, far from float32's overflow at exp(88.7
 # OPTIONS below (TRL's vLLM importance weights, the off-policy mask) and the SUPPORT after them
 # (settings check, the logs' statistics) can be read later.
 
-def group_advantages(rewards, group_size, scale_rewards="group"):
+def group_advantages(rewards, group_size, scale_rewards=DEFAULTS["scale_rewards"]):
     """Advantage of each completion against the other completions of its prompt.
 
     rewards: (B,) float, laid out group by group (B = groups * group_size). Returns (B,).
@@ -120,8 +122,7 @@ def token_logprobs(logits, ids, temperature=1.0, chunk_rows=4):
     rows = []
     for lg, ix in zip(logits.split(chunk_rows), ids.split(chunk_rows)):  # (b, T, V), (b, T)
         if lg.requires_grad and torch.is_grad_enabled():
-            rows.append(checkpoint(_chunk_logprobs, lg, ix, temperature,
-                                   use_reentrant=False))  # (b, T)
+            rows.append(checkpoint(_chunk_logprobs, lg, ix, temperature, use_reentrant=False))
         else:
             rows.append(_chunk_logprobs(lg, ix, temperature))  # (b, T)
     return torch.cat(rows)  # (B, T)
@@ -137,11 +138,13 @@ def log_ratio(logprobs, old_logprobs, mask):
     return torch.where(mask.bool(), logprobs - old_logprobs, 0.0).clamp(max=LOG_RATIO_MAX)  # (B, T)
 
 
-def sampler_correction(logprobs, sampling_logprobs, advantages, mask, old_logprobs="sampler",
-                       vllm_importance_sampling_correction=True,
-                       vllm_importance_sampling_mode="sequence_mask",
-                       vllm_importance_sampling_clip_max=3.0,
-                       vllm_importance_sampling_clip_min=None, off_policy_mask_threshold=None):
+def sampler_correction(
+        logprobs, sampling_logprobs, advantages, mask, old_logprobs=DEFAULTS["old_logprobs"],
+        vllm_importance_sampling_correction=DEFAULTS["vllm_importance_sampling_correction"],
+        vllm_importance_sampling_mode=DEFAULTS["vllm_importance_sampling_mode"],
+        vllm_importance_sampling_clip_max=DEFAULTS["vllm_importance_sampling_clip_max"],
+        vllm_importance_sampling_clip_min=DEFAULTS["vllm_importance_sampling_clip_min"],
+        off_policy_mask_threshold=DEFAULTS["off_policy_mask_threshold"]):
     """Where the sampler's log-probs enter the loss (departure 2): policy_loss's old_logprobs,
     importance_sampling_ratio and off_policy_mask, as a dict. logprobs: (B, T) this forward's;
     sampling_logprobs: (B, T) the sampler's; advantages: (B,); mask: (B, T). The keywords and
@@ -151,8 +154,7 @@ def sampler_correction(logprobs, sampling_logprobs, advantages, mask, old_logpro
     the loss is weighted by importance_sampling_ratio (TRL's GRPOTrainer with vLLM)."""
     if old_logprobs not in OLD_LOGPROBS:
         raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, not {old_logprobs!r}")
-    out = {"old_logprobs": sampling_logprobs, "importance_sampling_ratio": None,
-           "off_policy_mask": None}
+    out = dict(old_logprobs=sampling_logprobs, importance_sampling_ratio=None, off_policy_mask=None)
     if old_logprobs == "learner":
         # TRL: old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None
         out["old_logprobs"] = logprobs.detach()  # (B, T)
@@ -166,10 +168,11 @@ def sampler_correction(logprobs, sampling_logprobs, advantages, mask, old_logpro
     return out
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=None,
-                loss_type="dapo", max_completion_length=None, num_tokens=None,
-                ref_logprobs=None, beta=0.0, delta=None, use_bias_correction_kl=True,
-                importance_sampling_ratio=None, off_policy_mask=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, epsilon=DEFAULTS["epsilon"],
+                epsilon_high=DEFAULTS["epsilon_high"], loss_type=DEFAULTS["loss_type"],
+                max_completion_length=None, num_tokens=None, ref_logprobs=None,
+                beta=DEFAULTS["beta"], delta=None, importance_sampling_ratio=None,
+                off_policy_mask=None, use_bias_correction_kl=DEFAULTS["use_bias_correction_kl"]):
     """Clipped surrogate loss of GRPO, aggregated the way TRL's `loss_type` names it.
 
     logprobs: (B, T) of the policy being trained (carries the gradient).
@@ -273,8 +276,9 @@ def microbatch_weight(loss_type, mb_mask, total_sequences, num_microbatches):
 # ---- OPTIONS (sampler_correction calls them): TRL's vLLM importance-sampling correction
 # (--old-logprobs learner: jobs.sh's on GPUs, off locally) and DeepSeek-V3.2's off-policy mask
 
-def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask",
-                              clip_max=3.0, clip_min=None):
+def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode,
+                              clip_max=DEFAULTS["vllm_importance_sampling_clip_max"],
+                              clip_min=DEFAULTS["vllm_importance_sampling_clip_min"]):
     """TRL's vllm_importance_sampling_ratio (grpo_trainer.py 2660-2705): pi_old / pi_sampler per
     token (token_*) or per sequence (sequence_*: the product), held in [clip_min, clip_max]
     (*_truncate) or 0 outside it (*_mask). No gradient. old_logprobs, sampling_logprobs, mask:
@@ -323,8 +327,7 @@ def check_settings(loss_type, max_completion_length, beta, ref_logprobs, delta, 
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
     if loss_type == "dr_grpo" and not max_completion_length:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length (the generation limit "
-                         "in tokens)")
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (the limit in tokens)")
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (log-probs with the adapter disabled)")
     if delta is not None and delta < 1 + epsilon_high:
@@ -336,14 +339,12 @@ def offpolicy_stats(logprobs, sampling_logprobs, mask, correction=None):
     """For the logs (support/step_record.py's row_columns): "log_ratio", log(pi_theta /
     pi_sampler) (B, T), and importance_sampling_ratio's "weight" and "outside" with correction's
     mode and bounds (sampler_correction's keywords), whether or not the loss applies them."""
-    c = correction or {}
+    c = {**DEFAULTS, **(correction or {})}
     with torch.no_grad():
         logprobs = logprobs.detach().float()  # (B, T)
-        weight, outside = importance_sampling_ratio(
-            logprobs, sampling_logprobs, mask,
-            c.get("vllm_importance_sampling_mode", "sequence_mask"),
-            c.get("vllm_importance_sampling_clip_max", 3.0),
-            c.get("vllm_importance_sampling_clip_min"))  # (B, T) or (B, 1) each
+        weight, outside = importance_sampling_ratio(  # (B, T) or (B, 1) each
+            logprobs, sampling_logprobs, mask, c["vllm_importance_sampling_mode"],
+            c["vllm_importance_sampling_clip_max"], c["vllm_importance_sampling_clip_min"])
         return {"log_ratio": log_ratio(logprobs, sampling_logprobs, mask),  # (B, T)
                 "weight": weight, "outside": outside}
 

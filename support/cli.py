@@ -9,16 +9,12 @@ import os
 import sys
 
 from support.contract import CONTRACT, CONTRACT_HELP, OLD_NAMES
-from support.defaults import DEFAULTS
+from support.defaults import DEFAULTS, float_or_none
 from support.rewards import add_task_flags, make_task, task_spec
 from support.tasks import TaskError
 from support.worker_bounds import MAX_WORKER_SHARE
 
-DELTA = 2.0  # --delta's default: TRL's two-sided clip, on (departure 8); >= 1 + epsilon_high
-
-
-def delta_or_none(v):
-    return None if v.lower() == "none" else float(v)
+DELTA = DEFAULTS["delta"]  # --delta's default (trainer.py, departure 8), as bench/ reads it
 
 
 def trainer_args(argv=None, description=None):
@@ -40,15 +36,17 @@ def trainer_args(argv=None, description=None):
     a("--max-completion-length", type=int,
       help="the longest completion; dr_grpo's normaliser (default: the proxy's)")
     # the loss, as TRL names it
-    a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
-    a("--epsilon-high", type=float, default=None,
+    a("--epsilon", type=float, default=DEFAULTS["epsilon"],
+      help="lower clip: ratio >= 1 - epsilon")
+    a("--epsilon-high", type=float_or_none, default=DEFAULTS["epsilon_high"],
       help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
-    a("--delta", type=delta_or_none, default=DELTA,
-      help=f"TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
-           f"'none': off (default {DELTA}: one group cannot steer a step)")
+    a("--delta", type=float_or_none, default=DEFAULTS["delta"],
+      help="TRL's two-sided clip: ratio <= delta (>= 1 + epsilon_high) if advantage < 0; "
+           "'none': off (default %(default)s: one group cannot steer a step)")
     a("--beta", type=float, default=DEFAULTS["beta"],
       help="KL coefficient against the base model (adapter disabled); 0 = no KL")
-    a("--use-bias-correction-kl", action=argparse.BooleanOptionalAction, default=True,
+    a("--use-bias-correction-kl", action=argparse.BooleanOptionalAction,
+      default=DEFAULTS["use_bias_correction_kl"],
       help="with --beta > 0: multiply the per-token KL by the importance ratio (TRL's default: on)")
     a("--mask-truncated-completions", action="store_true",
       help="leave completions that ended without EOS out of the loss (TRL's; default: off)")
@@ -59,29 +57,33 @@ def trainer_args(argv=None, description=None):
            "trainer's own at this step (no extra forward), the loss weighted as below (TRL's "
            "GRPOTrainer with vLLM)")
     a("--vllm-importance-sampling-correction", action=argparse.BooleanOptionalAction,
-      default=True, help="with --old-logprobs learner: weight each token's loss by "
-      "pi_learner / pi_sampler (TRL's default: on); the weights are logged in either mode")
+      default=DEFAULTS["vllm_importance_sampling_correction"],
+      help="with --old-logprobs learner: weight each token's loss by pi_learner / pi_sampler "
+           "(TRL's default: on); the weights are logged in either mode")
     a("--vllm-importance-sampling-mode", default=DEFAULTS["vllm_importance_sampling_mode"],
       choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
       help="token_*: a weight per token, sequence_*: one per completion (the product); "
            "*_truncate: held in [min, max], *_mask: 0 outside it (TRL's default: sequence_mask)")
-    a("--vllm-importance-sampling-clip-max", type=delta_or_none, default=3.0,
-      help="the weight's upper bound C_max ('none': no bound; TRL's default 3.0)")
-    a("--vllm-importance-sampling-clip-min", type=delta_or_none, default=None,
+    a("--vllm-importance-sampling-clip-max", type=float_or_none,
+      default=DEFAULTS["vllm_importance_sampling_clip_max"],
+      help="the weight's upper bound C_max ('none': no bound; default %(default)s, as TRL)")
+    a("--vllm-importance-sampling-clip-min", type=float_or_none,
+      default=DEFAULTS["vllm_importance_sampling_clip_min"],
       help="the weight's lower bound C_min (default none, as TRL)")
-    a("--off-policy-mask-threshold", type=delta_or_none, default=None,
+    a("--off-policy-mask-threshold", type=float_or_none,
+      default=DEFAULTS["off_policy_mask_threshold"],
       help="DeepSeek-V3.2's off-policy sequence mask: leave out a completion with negative "
            "advantage whose mean log(pi_sampler / pi_learner) is above this, e.g. 0.5 "
            "(default none: off, as TRL)")
     a("--loss-type", default=DEFAULTS["loss_type"], choices=["grpo", "bnpo", "dr_grpo", "dapo"],
       help="loss normalisation, as in TRL")
-    a("--scale-rewards", default="group", choices=["group", "batch", "none"],
+    a("--scale-rewards", default=DEFAULTS["scale_rewards"], choices=["group", "batch", "none"],
       help="divide advantages by this std")
     a("--learning-rate", type=float, default=DEFAULTS["learning_rate"],
       help="AdamW's initial learning rate")
     a("--lr-scheduler-type", default=DEFAULTS["lr_scheduler_type"], choices=["linear", "constant"],
       help="linear: decays to 0 at --max-steps (TRL's default); constant")
-    a("--max-grad-norm", type=float, default=1.0,
+    a("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"],
       help="clip the LoRA gradient's global norm to this")
     a("--max-steps", type=int, default=DEFAULTS["max_steps"],
       help="stop after this many optimizer steps (counted across restarts)")
@@ -101,13 +103,13 @@ def trainer_args(argv=None, description=None):
       help="LoRA rank (vLLM wants 1, 8, 16, 32, 64, ...)")
     a("--lora-alpha", type=int, default=DEFAULTS["lora_alpha"],
       help="LoRA alpha (scale = alpha / r)")
-    a("--lora-target", default="all-linear",
+    a("--lora-target", default=DEFAULTS["lora_target"],
       help="'all-linear' or comma-separated module names, e.g. q_proj,v_proj")
-    a("--wait-timeout", type=float, default=1800.0,
+    a("--wait-timeout", type=float, default=DEFAULTS["wait_timeout"],
       help="seconds with no usable group before giving up (0: never)")
-    a("--bucket-retry", type=float, default=300.0,
+    a("--bucket-retry", type=float, default=DEFAULTS["bucket_retry"],
       help="seconds to retry a bucket that worked before (an outage)")
-    a("--report-to", default="none", choices=["none", "trackio", "wandb"],
+    a("--report-to", default=DEFAULTS["report_to"], choices=["none", "trackio", "wandb"],
       help="also send each step's metrics there")
     # the replicas' task: each group's rewards are recomputed with its functions, and a group whose
     # rewards differ is dropped, its worker banned (support/reward_check.py; none given: off)
@@ -124,7 +126,7 @@ def trainer_args(argv=None, description=None):
             (lo, hi) == (None, None) and args.vllm_importance_sampling_mode.endswith("truncate")):
         sys.exit(f"trainer.py: error: --vllm-importance-sampling-clip-min {lo} and -max {hi}: "
                  "min must be below max, and a *_truncate mode needs one of them (as TRL's "
-                 "GRPOConfig; defaults: none and 3.0)")
+                 "GRPOConfig)")
     # trainer.py hands args.task to reward_check.TaskRewards: the task flags as one dict (None:
     # no task, the check is off), loaded here so that a bad one stops before anything starts
     try:

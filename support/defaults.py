@@ -7,9 +7,11 @@ proxy.
 A row: TRL's name (the flag's, --max-steps for max_steps), jobs.sh's variable, the type, the
 code's default (TRL's where TRL has one), then the value `bash jobs.sh --local` and Hugging Face
 Jobs use, each only where it differs from the code's, and the role that takes it. Values are
-written as jobs.sh prints them ("3e-4"); DEFAULTS holds them typed. The standard library only:
-jobs.sh runs this with any python3 (3.8+), before setup.sh has made .venv. This module imports
-nothing of the project.
+written as jobs.sh prints them ("3e-4"; "none": off, "on"/"off": a --flag / --no-flag pair);
+DEFAULTS holds them typed. A row without a variable: a flag that jobs.sh leaves at its default
+(TRAINER_ARGS="--epsilon-high 0.28" sets one). The standard library only: jobs.sh runs this
+with any python3 (3.8+), before setup.sh has made .venv. This module imports nothing of the
+project.
 """
 
 import sys
@@ -27,6 +29,16 @@ def pair(text):
     return [float(x) for x in text.split()]
 
 
+def float_or_none(text):
+    """A float, or "none": None (the setting is off). Also the type of the trainer's flags."""
+    return None if text.lower() == "none" else float(text)
+
+
+def on_off(text):
+    """"on" or "off" as a bool: the default of a --flag / --no-flag pair."""
+    return {"on": True, "off": False}[text]
+
+
 TABLE = (
     # the run's contract: proxy.py's flags, served by GET /config to the replicas and the trainer
     # (support/contract.CONTRACT, in this order)
@@ -42,17 +54,35 @@ TABLE = (
     row("max_steps", "STEPS", int, "500", local="30", hf="200"),
     row("learning_rate", "LEARNING_RATE", float, "3e-4", hf="5e-5"),
     row("lr_scheduler_type", "LR_SCHEDULER_TYPE", str, "linear"),  # TRL's
+    row("max_grad_norm", None, float, "1.0"),  # TRL's
     row("lora_r", "LORA_R", int, "16"),
     row("lora_alpha", "LORA_ALPHA", int, "32"),
-    row("loss_type", "LOSS_TYPE", str, "dapo"),  # TRL's
-    row("beta", "BETA", float, "0.0"),  # TRL's
+    row("lora_target", None, str, "all-linear"),  # or module names: q_proj,v_proj
+    # the loss (grpo_loss.policy_loss), TRL's defaults but delta's
+    row("loss_type", "LOSS_TYPE", str, "dapo"),
+    row("scale_rewards", None, str, "group"),
+    row("epsilon", None, float, "0.2"),
+    row("epsilon_high", None, float_or_none, "none"),  # none: epsilon
+    # TRL's: none (off). Above delta no token has a gradient, so a group whose log-probs make
+    # its ratio absurd cannot steer a step (trainer.py, departure 8); >= 1 + epsilon_high
+    row("delta", None, float_or_none, "2.0"),
+    row("beta", "BETA", float, "0.0"),
+    row("use_bias_correction_kl", None, on_off, "on"),
     row("save_every", "SAVE_EVERY", int, "10", local="5"),
     row("micro_batch_tokens", "MICRO_BATCH_TOKENS", int, "8192", hf="2048"),  # one group on an L4
     # the ratio's old policy: locally an fp32 replica = the fp32 trainer, no mismatch to correct;
     # on GPUs vLLM's bf16 sampler != the trainer: TRL's correction (docs/sampler-mismatch.md)
     row("old_logprobs", "OLD_LOGPROBS", str, "sampler", hf="learner"),
+    # its weights and mask (grpo_loss.sampler_correction), TRL's defaults
+    row("vllm_importance_sampling_correction", None, on_off, "on"),
     row("vllm_importance_sampling_mode", "VLLM_IMPORTANCE_SAMPLING_MODE", str,
-        "sequence_mask"),  # TRL's
+        "sequence_mask"),
+    row("vllm_importance_sampling_clip_max", None, float_or_none, "3.0"),
+    row("vllm_importance_sampling_clip_min", None, float_or_none, "none"),
+    row("off_policy_mask_threshold", None, float_or_none, "none"),  # none: off
+    row("wait_timeout", None, float, "1800"),  # s with no usable group, then stop; 0: never
+    row("bucket_retry", None, float, "300"),  # s to retry a bucket that worked before
+    row("report_to", None, str, "none"),  # TRL's: also send the metrics to trackio, wandb
     row("seed", "SEED", int, "0", role="trainer rollout"),
     # rollout.py (support/cli.replica_args)
     row("engine", "ENGINE", str, "auto", role="rollout"),

@@ -11,6 +11,7 @@ import time
 import torch
 
 from support.buckets import append_metrics
+from support.defaults import DEFAULTS
 from support.group_checks import printable
 from support.shared_prompt import by_group
 
@@ -26,7 +27,8 @@ IS_RATIO = "sampling/importance_sampling_ratio/"  # + min, mean, max, outside_fr
 OPM_MASKED = "sampling/off_policy_mask/masked_frac"  # ours: completions off_policy_mask drops
 
 
-def row_columns(offpolicy, mask, epsilon=0.2, epsilon_high=None, off_policy_mask=None):
+def row_columns(offpolicy, mask, epsilon=DEFAULTS["epsilon"],
+                epsilon_high=DEFAULTS["epsilon_high"], off_policy_mask=None):
     """grpo_loss.offpolicy_stats's tensors, mask (B, T) and off_policy_mask ((B, 1) or None) ->
     STAT_COLUMNS, each (B,): "tokens" (completion tokens); sums over them of "approx_kl",
     CleanRL's k3 estimate of KL(pi_sampler || pi_theta), (r - 1) - log r with r = pi_theta /
@@ -62,7 +64,7 @@ class StepStats:
     trainer.compute_loss_and_backward (add), over the forwarded completions (result).
     staleness = version - policy_version (0 if no version)."""
 
-    def __init__(self, seqs, version=None, beta=0.0, epsilon=0.2, epsilon_high=None):
+    def __init__(self, seqs, version, beta, epsilon, epsilon_high):
         self.seqs, self.version, self.beta = seqs, version, beta
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.sums, self.rows, self.row_groups, self.forwarded = {"loss": 0.0}, [], [], 0

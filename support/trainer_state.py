@@ -28,6 +28,7 @@ import torch
 from support.adapter_tags import (MAX_VERSION, adapter_key, own_versions, read_latest,
                                   version_numbers)
 from support.buckets import LATEST, Foreign, load_trainer_state
+from support.defaults import DEFAULTS
 from support.devices import card_dtype  # the dtype for this card: one rule, trainer and replicas
 
 
@@ -37,8 +38,8 @@ class TrainerError(Exception):
 
 # ---- the model and its optimizer
 
-def build_model(model_name, lora_r=16, lora_alpha=32, lora_target="all-linear", seed=0,
-                device=None):
+def build_model(model_name, lora_r=DEFAULTS["lora_r"], lora_alpha=DEFAULTS["lora_alpha"],
+                lora_target=DEFAULTS["lora_target"], seed=DEFAULTS["seed"], device=None):
     """Base model + fresh LoRA (B = 0, so version 0 is the base policy). The dtype is the card's
     (support/devices.py card_dtype, the replicas' rule too): bf16 on a GPU of compute capability
     >= 8.0, a TrainerError below it, fp32 on a CPU. device: "cuda" when there is a GPU, else

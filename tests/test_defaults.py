@@ -1,10 +1,13 @@
 """Each default of a run is written once: support/defaults.py's table, read by jobs.sh (its
-`--shell` lines), the CLIs (support/cli.py) and the proxy (support/contract.CONTRACT); the
-readers' copies in docs/settings.md agree with it (README's table: tests/test_fork.py).
+`--shell` lines), the CLIs (support/cli.py), the proxy (support/contract.CONTRACT) and the
+keyword defaults of the loss, the step's record and the model (grpo_loss.py,
+support/step_record.py, support/trainer_state.py); the readers' copies in docs/settings.md agree
+with it (README's table: tests/test_fork.py).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_defaults.py -q
 """
 
+import argparse
 import ast
 import os
 import re
@@ -17,6 +20,7 @@ from conftest import ROOT
 from support import cli
 from support.contract import CONTRACT
 from support.defaults import DEFAULTS, TABLE, values
+from support.rewards import add_task_flags
 
 FLAGGED = {r.name for r in TABLE if r.role in ("trainer", "rollout", "trainer rollout", "proxy")}
 
@@ -57,8 +61,71 @@ def test_the_check_finds_a_literal_default(tmp_path):
     """The check above can fail: a flag of the table with its value written in the file."""
     f = tmp_path / "cli.py"
     f.write_text('a("--learning-rate", type=float, default=3e-4)\na("--epsilon", default=0.2)\n'
-                 'add_task_flags(p, default_task="arith")\n')
-    assert literal_defaults(str(f)) == [("learning_rate", 3e-4), ("task", "arith")]
+                 'a("--replica-id", type=int, default=0)\nadd_task_flags(p, default_task="arith")\n')
+    assert literal_defaults(str(f)) == [("learning_rate", 3e-4), ("epsilon", 0.2),
+                                        ("task", "arith")]  # --replica-id: no row
+
+
+def test_every_default_of_trainer_py_is_a_row_of_the_table():
+    """Each trainer.py flag parses, given none, to its row's default: a flag added with a literal
+    default fails here. Only these have no row: the three required flags, the contract's (None:
+    the proxy's, from GET /config), the switches (store_true: off unless given) and the task flags
+    (support/rewards.add_task_flags, with the replicas' row)."""
+    args = vars(cli.trainer_args(["--model", "m", "--bucket", "b", "--proxy", "p"]))
+    task_parser = argparse.ArgumentParser()
+    add_task_flags(task_parser)
+    task_flags = vars(task_parser.parse_args([]))
+    contract = {r.name for r in TABLE if r.role == "proxy"}
+    switches = {"mask_truncated_completions", "gradient_checkpointing", "fsdp"}
+    for name, value in args.items():
+        if name in ("model", "bucket", "proxy") or name in task_flags:
+            continue
+        if name in contract:
+            assert value is None, name
+        elif name in switches:
+            assert value is False, name
+        else:
+            assert name in DEFAULTS, f"--{name.replace('_', '-')}: its default has no row"
+            assert value == DEFAULTS[name], name
+
+
+# importance_sampling_ratio's short names for its rows
+ALIASES = {"mode": "vllm_importance_sampling_mode", "clip_max": "vllm_importance_sampling_clip_max",
+           "clip_min": "vllm_importance_sampling_clip_min"}
+TRAINER_ROWS = {r.name for r in TABLE if "trainer" in r.role.split()}
+
+
+def literal_keyword_defaults(path):
+    """[(function, parameter, value)] of each parameter named as a trainer row (or by ALIASES)
+    that a function in the file at path gives a literal default other than None (None: the
+    caller gave none, e.g. policy_loss's delta, off as TRL's)."""
+    found = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        params = node.args.args[len(node.args.args) - len(node.args.defaults):] + \
+            node.args.kwonlyargs
+        defaults = node.args.defaults + node.args.kw_defaults  # kw_defaults: None for none
+        found += [(node.name, a.arg, d.value) for a, d in zip(params, defaults)
+                  if ALIASES.get(a.arg, a.arg) in TRAINER_ROWS and isinstance(d, ast.Constant)
+                  and d.value is not None]
+    return found
+
+
+@pytest.mark.parametrize("path", ["grpo_loss.py", os.path.join("support", "step_record.py"),
+                                  os.path.join("support", "trainer_state.py")])
+def test_the_keyword_defaults_are_the_tables(path):
+    """The loss's, the record's and the model's keywords repeat no default of the table: each
+    reads DEFAULTS (or has none)."""
+    assert literal_keyword_defaults(os.path.join(ROOT, path)) == []
+
+
+def test_the_keyword_check_finds_a_literal_default(tmp_path):
+    f = tmp_path / "loss.py"
+    f.write_text("def f(x, epsilon=0.2, delta=None, mode='token_mask', *, lora_r=16, n=3):\n"
+                 "    pass\n")
+    assert literal_keyword_defaults(str(f)) == [("f", "epsilon", 0.2), ("f", "mode", "token_mask"),
+                                                ("f", "lora_r", 16)]
 
 
 def test_the_contract_is_the_proxy_rows():
