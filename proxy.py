@@ -51,9 +51,7 @@ from support.worker_bounds import MAX_WORKER_SHARE, GuardedBuffer
 
 log = logging.getLogger("proxy")
 
-# --zero-variance drop: a lease is scaled up by 1 / the share of its replica's groups kept lately,
-# at most 1 / MIN_KEPT times
-MIN_KEPT = 0.125
+MIN_KEPT = 0.125  # --zero-variance drop: a lease scaled up at most 1 / MIN_KEPT times (_lease_size)
 
 
 # ---- ALGO: the run's state, under one lock: 4-5. the buffer  9-10. the version handshake

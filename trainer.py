@@ -6,9 +6,8 @@
     # parallel, the update of one process; rank 0 alone talks to the proxy and the bucket
     torchrun --standalone --nproc-per-node 2 trainer.py --fsdp ...  # FSDP2: the model sharded
 
-The whole system on one CPU machine with the tiny test model (what tests/test_trainer.py runs;
-the toy reward goes from ~0.05 to ~0.9 in these 24 steps, ~20 s). The run's settings are given
-once, to the proxy; the replica and the trainer read them from it:
+The whole system on one CPU with the tiny test model (tests/test_trainer.py; the toy reward goes
+from ~0.05 to ~0.9 in 24 steps, ~20 s). The settings are given once, to the proxy:
 
     python tests/tiny_model.py /tmp/tiny
     export PROXY_TOKEN=secret OMP_NUM_THREADS=1
@@ -18,14 +17,12 @@ once, to the proxy; the replica and the trainer read them from it:
         --proxy http://127.0.0.1:8000 &
     python trainer.py --model /tmp/tiny --bucket runs/toy --proxy http://127.0.0.1:8000 \
         --learning-rate 1e-3 --lora-r 8 --lora-alpha 16 --max-steps 24
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q  # tests
 
-The token for the proxy comes from PROXY_TOKEN. The trainer never generates: rollout.py replicas
-do, with the adapter versions this file publishes to the bucket (adapters/v{N:06d}, LATEST).
-Killed at any moment (SIGKILL, preemption), the same command resumes from the last saved state
-(bucket trainer/), loses at most the steps since that save, and never publishes a version twice.
-Logs on stdout: the first line says "resumed from step S, version V" or "starting fresh", then
-"step N vV | reward ...", "published vV at step N", "saved state at step N (version V)", "done".
+The trainer never generates: rollout.py replicas do, with the adapter versions this file
+publishes to the bucket (adapters/v{N:06d}, LATEST). Killed at any moment, the same command
+resumes from the last saved state (bucket trainer/), loses at most the steps since that save and
+never publishes a version twice. Logs: "resumed from step S, version V" or "starting fresh",
+then "step N vV | reward ...", "published vV at step N", "saved state at step N", "done".
 
 Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
 1. By default the old policy is the replica's sampler (--old-logprobs sampler, as TRL's
@@ -50,19 +47,17 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    max_completion_length), as TRL's completions/clipped_ratio; `clipped_ratio` is their fraction.
    --mask-truncated-completions (TRL's, off by default) leaves them out of the loss and its
    normalisers, as TRL zeroes their completion mask.
-8. TRL's two-sided clip `delta` is on by default (2.0; TRL's default is None). A replica holds the
-   current adapter and can send log-probs far below it: without delta one such group can make
-   the ratio ~4e8 and steer the whole step. With delta a token whose ratio is above it has no
-   gradient. A group with a ratio above ABSURD_RATIO is named on stderr and counted in the
-   step's `groups_absurd_ratio`; it stays in the step (delta makes those tokens inert).
-   `--delta none` turns the cap off, as TRL's default.
+8. TRL's two-sided clip `delta` is on by default (2.0; TRL's default, None, is `--delta none`).
+   A replica holds the current adapter and can send log-probs far below it: without delta one
+   such group can make the ratio ~4e8 and steer the whole step. With delta a token whose ratio
+   is above it has no gradient. A group with a ratio above ABSURD_RATIO is named on stderr and
+   counted in the step's `groups_absurd_ratio`; it stays in the step (delta: those tokens inert).
 9. Groups the trainer cannot use (group_problem: no prompt or completion tokens, a token id
-   outside the vocabulary, a log-prob per id missing, a reward outside the proxy's
-   reward_range, longer than the model's context) are dropped and reported (stderr, the step's
-   `groups_dropped`, and the proxy's POST /reject, which gives them back to the step's quota and
-   bans their worker), and more groups are asked for: a step still has groups_per_step.
-10. --task, or --dataset with --reward-funcs: a group's prompt and rewards are recomputed with the
-   run's reward functions (support/reward_check.py); one that differs is dropped as in 9.
+   outside the vocabulary, a log-prob per id missing, a reward outside the proxy's reward_range,
+   longer than the model's context; a prompt or reward other than the run's reward functions
+   give, recomputed: support/reward_check.py) are dropped and reported (stderr, the step's
+   `groups_dropped`, the proxy's POST /reject, which gives them back to the step's quota and
+   bans their worker); more groups are asked for: a step still has groups_per_step.
 """
 
 import math
@@ -78,6 +73,7 @@ from support.buckets import BucketError, open_bucket, save_trainer_state
 from support.cli import trainer_args
 from support.contract import CONTRACT_FLAGS  # the settings read from the proxy in train()
 from support.data_parallel import ONE_PROCESS, follow_rank_zero, join_ranks  # torchrun
+from support.defaults import DEFAULTS  # the keywords' defaults: the flags' (TRL's)
 from support.devices import checkpoint_layers  # --gradient-checkpointing
 from support.group_checks import UsableGroups, Waiting  # what a hostile replica cannot do
 from support.proxy_client import ProxyClient, ProxyError
@@ -120,10 +116,9 @@ def flatten_groups(groups, max_completion_length):
 
 
 # ---- ALGO, 6. advantages: grpo_loss.group_advantages (called in grpo_update)
-# ---- ALGO, 7. log-probs of the completions under the current policy. plain_logprobs is the
-# definition; the step runs plain_logprobs_fast (support/shared_prompt.py), the same values and
-# gradients with each group's prompt forwarded once (test_shared_prompt.py), or with --fsdp
-# plain_logprobs itself (fully_shard's backward fails on the fast one: support/fsdp.py)
+# ---- ALGO, 7. log-probs under the current policy. plain_logprobs is the definition; the step
+# runs plain_logprobs_fast (support/shared_prompt.py): the same values and gradients, each
+# group's prompt forwarded once (test_shared_prompt.py); --fsdp: plain_logprobs (support/fsdp.py)
 
 def plain_logprobs(model, seqs, idx, temperature=1.0):
     """Log-probs (n, C) of the completion tokens of rows idx: each row [pad.. prompt | completion
@@ -157,10 +152,11 @@ def completion_tensors(seqs, idx, device):
 
 # ---- ALGO, 8. loss: grpo_loss.policy_loss per micro-batch, its gradient accumulated
 
-def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="dapo",
-                              epsilon=0.2, epsilon_high=None, beta=0.0,
-                              max_completion_length=None, temperature=1.0, delta=None,
-                              version=None, use_bias_correction_kl=True,
+def compute_loss_and_backward(model, seqs, advantages, microbatches,
+                              loss_type=DEFAULTS["loss_type"], epsilon=DEFAULTS["epsilon"],
+                              epsilon_high=None, beta=DEFAULTS["beta"], max_completion_length=None,
+                              temperature=1.0, delta=None, version=None,
+                              use_bias_correction_kl=DEFAULTS["use_bias_correction_kl"],
                               mask_truncated_completions=False, correction=None, forward=None,
                               record=None):
     """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
@@ -175,9 +171,9 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches, loss_type="
     --vllm-importance-sampling-* flags): where the sampler's log-probs enter the loss.
     forward: the log-probs' forward, plain_logprobs's arguments (default plain_logprobs_fast, see
     7. above); record: a step_record.StepStats to gather the statistics in (default a new one).
-    A micro-batch [] forwards nothing; the normalisers count the step's rows and micro-batches.
-    Returns StepStats.result's dict (loss, ratios, approx_kl, clip fractions, ...), and finite:
-    False when the loss or a LoRA gradient is inf or NaN (then the optimizer must not step).
+    A micro-batch [] forwards nothing (the normalisers count it). Returns StepStats.result's
+    dict (loss, ratios, approx_kl, clip fractions, ...), and finite: False when the loss or a
+    LoRA gradient is inf or NaN (then the optimizer must not step).
     """
     device = next(model.parameters()).device
     masked = {i for i, s in enumerate(seqs) if mask_truncated_completions and s["truncated"]}
@@ -278,9 +274,11 @@ def grpo_update(model, optimizer, groups, args, step, version,
 
 
 def train(args, ranks=ONE_PROCESS):
-    # torchrun: grpo_update over the ranks, each its share of the micro-batches, the gradient
-    # summed (support/data_parallel.py); one process: grpo_update itself
-    update = ranks.spread(grpo_update, compute_loss_and_backward, plain_logprobs)
+    # one process: grpo_update itself; torchrun: over the ranks, each its share of the
+    # micro-batches, the gradient summed (support/data_parallel.py)
+    many = ranks.world > 1
+    update = ranks.spread(grpo_update, compute_loss_and_backward, plain_logprobs) if many \
+        else grpo_update
     if ranks.rank > 0:  # torchrun: the other ranks never talk to the proxy or the bucket
         return follow_rank_zero(args, ranks, update)
     bucket = open_bucket(args.bucket, retry_s=args.bucket_retry)  # rides out outages once it worked
@@ -289,7 +287,8 @@ def train(args, ranks=ONE_PROCESS):
     vars(args).update({k: contract[k] for k in CONTRACT_FLAGS})  # the run's settings: the proxy's
     # the model with a fresh LoRA, or as the resume state in the bucket left it; its versions
     # follow its own (with TRAINER_STATE_KEY, a LATEST it did not write is passed over)
-    run = ranks.start_alike(args, start_run(args, bucket, contract))  # torchrun: every rank
+    run = start_run(args, bucket, contract)
+    run = ranks.start_alike(args, run) if many else run  # torchrun: every rank starts alike
     model, optimizer, step, version = run.model, run.optimizer, run.step, run.version  # --fsdp:
     groups_consumed = run.groups_consumed  # each rank holds a shard of the model and AdamW
     if args.gradient_checkpointing:  # each layer's activations recomputed in the backward pass
@@ -306,7 +305,8 @@ def train(args, ranks=ONE_PROCESS):
         state = {"step": step, "version": version, "published_step": step,
                  "groups_consumed": groups_consumed, "args": vars(args)} if save else None
         publish(model, bucket, version, keep, args.model, step, state, optimizer, run.key,
-                run.adapter_key, run.saved_step, ranks.full_state(model, optimizer, save))
+                run.adapter_key, run.saved_step,
+                ranks.full_state(model, optimizer, save) if many else None)  # --fsdp: gathered
         run.saved_step = step if save else run.saved_step  # what the next manifests record
         # The handshake: after the files, so a replica told of v by /quota finds it in the bucket
         # (proxy.RolloutBuffer.set_version; the replica's side is rollout.Replica.step).

@@ -36,6 +36,7 @@ import json
 import os
 from collections import namedtuple
 
+from support.defaults import DEFAULTS  # the seed's default: the run's
 from support.devices import card_dtype  # the dtype for this card: the trainer's rule too
 # the decode loop, layer by layer: support/fast_decode.py (not needed to follow what an engine does)
 from support.fast_decode import (FAST_MODEL_TYPES, FastDecoder, Packs, fast_decode_support,
@@ -56,8 +57,9 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model, max_lora_rank=8, max_loras=1, max_cpu_loras=2, seed=0,
-                 max_model_len=None, gpu_memory_utilization=None, dtype=None):
+    def __init__(self, model, max_lora_rank=8, max_loras=1, max_cpu_loras=2,
+                 seed=DEFAULTS["seed"], max_model_len=None, gpu_memory_utilization=None,
+                 dtype=None):
         import torch
         from vllm import LLM
 
@@ -172,7 +174,7 @@ class HFEngine:
     # override a checkpoint's generation_config: sample from the model's distribution as it is
     PLAIN = dict(repetition_penalty=1.0, no_repeat_ngram_size=0)
 
-    def __init__(self, model, seed=0, batch_size=256, fast=True, dtype=None):
+    def __init__(self, model, seed=DEFAULTS["seed"], batch_size=256, fast=True, dtype=None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

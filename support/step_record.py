@@ -192,7 +192,10 @@ def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite
            "truncated": (cut := sum(s["truncated"] for s in seqs)),  # ended without EOS, as TRL
            "clipped_ratio": cut / len(seqs),
            "grad_norm": grad_norm, "skipped_non_finite": not finite,
-           "groups_dropped": dropped, "groups_absurd_ratio": len(absurd),
+           # kind -> groups dropped while gathering (the trainer's checks; reward_func_error:
+           # the replicas'), and their sum for --report-to (which takes numbers only)
+           "groups_dropped": dropped, "groups_dropped_total": sum(dropped.values()),
+           "groups_absurd_ratio": len(absurd),
            # how many of the groups trained on came from each worker (--max-worker-share)
            "groups_by_worker": dict(collections.Counter(printable(g["worker"]) for g in groups)),
            "reward_check_s": reward_check_s,
@@ -205,7 +208,8 @@ def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite
         run.reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
     kl = f" kl {rec['kl']:.4f}" if args.beta > 0 else ""
     print(f"step {step} v{version} | reward {rec['reward_mean']:.3f} ± "
-          f"{rec['reward_std']:.3f} | groups {len(groups)} ({flat} all-equal) | stale "
+          f"{rec['reward_std']:.3f} | groups {len(groups)} ({flat} all-equal"
+          f"{', %d dropped' % rec['groups_dropped_total'] if dropped else ''}) | stale "
           f"{rec['staleness_mean']:.2f}/{rec['staleness_max']} | loss {rec['loss']:.4f} ratio "
           f"{rec['ratio_mean'] or 1:.4f} (max {rec['ratio_max'] or 1:.2f}) approx_kl "
           f"{rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}{kl} | sampler |dlogp| "

@@ -112,8 +112,10 @@ def literal_keyword_defaults(path):
     return found
 
 
-@pytest.mark.parametrize("path", ["grpo_loss.py", os.path.join("support", "step_record.py"),
-                                  os.path.join("support", "trainer_state.py")])
+@pytest.mark.parametrize("path", ["grpo_loss.py", "trainer.py",
+                                  os.path.join("support", "step_record.py"),
+                                  os.path.join("support", "trainer_state.py"),
+                                  os.path.join("support", "engines.py")])
 def test_the_keyword_defaults_are_the_tables(path):
     """The loss's, the record's and the model's keywords repeat no default of the table: each
     reads DEFAULTS (or has none)."""

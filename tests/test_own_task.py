@@ -224,6 +224,7 @@ def test_bad_reward_functions_lose_nothing_the_run_goes_on(tiny_model, tmp_path)
     counted = sum(m["groups_dropped"].get("reward_func_error", 0) for m in metrics)
     assert 1 <= counted <= log.count("group dropped"), ([m["groups_dropped"] for m in metrics],
                                                         log.count("group dropped"))
+    assert re.search(r"\(\d+ all-equal, [1-9]\d* dropped\)", out), out[-2000:]  # the step's line
     for says in ("raised KeyError: 'no such thing'", "returned 1 rewards for 8 completions",
                  "'nan' (float) is not a finite", "'x' (str) is not a finite",
                  "'1000000000000.0' (float) is not a finite"):
