@@ -137,17 +137,14 @@ class RolloutBuffer:
             self.cond.notify_all()
             return {"dropped": len(self._drop_stale()), "trainer_version": version}
 
-    def quota(self, worker, version, most, timeout, rule=None, wait=None, keep=False,
-              lease=None):
+    def quota(self, worker, version, most, timeout, rule=None, wait=None, lease=None):
         """Long-poll: wait up to `timeout` s for a quota > 0, a newer adapter to load, or the end
-        of the run. The answer is the replica's lease: the groups to make now. Its parts, each
-        replaceable (GuardedBuffer passes a pool's): `rule` how many (_quota; a pool's calls it
-        with its terms), `wait` the wait (cond.wait_for), `keep` the lease still owed, `lease`
-        its record (self.leases)."""
+        of the run. The answer is the replica's lease: the groups to make now (a replica asks
+        again once its last groups are out). Its parts, each replaceable (GuardedBuffer passes a
+        pool's): `rule` how many (_quota; a pool's calls it with its terms), `wait` the wait
+        (cond.wait_for), `lease` its record (self.leases)."""
         rule, wait = rule or self._quota, wait or self.cond.wait_for
         with self.cond:
-            if not keep:
-                self.leases[worker] = 0  # a replica asks again once its last groups are out
             t0 = self.trainer_version
             wait(lambda: (self.done or self.closed or self.trainer_version != t0
                           or (t0 is not None and version < t0)  # a newer adapter: at once

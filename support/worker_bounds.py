@@ -203,12 +203,14 @@ class GuardedBuffer:
             owed = lease is not None and core.leases.get(worker, 0) > 0 and lease.until > now
             if lease is not None and not owed:
                 self._default(worker, now)  # an expired lease with groups owed counts against it
-            if not owed:  # its lease ends in RolloutBuffer.quota: the terms of its next one
+            if not owed:  # its lease ends: the terms of its next one
+                core.leases[worker] = 0
                 self.terms[worker] = Lease(now + timeout + self.lease_timeout, version)
             core.cond.notify_all()
+            def record(w, n):  # the lease of n groups, and its terms
+                self._lease(w, version, n, owed)
             reply = core.quota(worker, version, most, timeout, rule=self._quota,
-                               wait=self._wait_until, keep=owed,
-                               lease=lambda w, n: self._lease(w, version, n, owed))
+                               wait=self._wait_until, lease=record)
             if core.done:
                 self.told_done.add(worker)
             else:
