@@ -1306,18 +1306,22 @@ def test_remembered_group_ids_are_bounded():
     {"max_staleness": 1, "groups_per_step": 4, "zero_variance": "drop"}])
 def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(contract):
     """STYLE.md: the core does not know it is wrapped. One replica's run, the same calls on
-    proxy.RolloutBuffer alone and wrapped in support/worker_bounds.py's GuardedBuffer (as served):
-    the same quotas, the same groups taken in the same order, the same replies; the replica
-    asks twice now and then, posts a version late, some groups flat, one stale."""
+    proxy.RolloutBuffer alone and wrapped in support/worker_bounds.py's GuardedBuffer (as served,
+    with the arguments the routes pass: a replica's credential, `limited`, and the trainer's
+    `ack` of its last delivery): the same quotas, the same groups taken in the same order, the
+    same replies; the replica asks twice now and then, the trainer moves on while groups of
+    the next step are made, some groups flat."""
     contract = {"num_generations": 2, **contract}
     plain, guarded = RolloutBuffer(contract), GuardedBuffer(RolloutBuffer(contract))
-    trace = {id(plain): [], id(guarded): []}
+    trace, delivery = {id(plain): [], id(guarded): []}, [0]
 
     def both(call, *args):
         replies = []
         for buf in (plain, guarded):
-            out = getattr(buf, call)(*args)
+            served = {"add": {"limited": True}, "take": {"ack": delivery[0]}}.get(call, {})
+            out = getattr(buf, call)(*args, **(served if buf is guarded else {}))
             if call == "take":  # (groups, version[, delivery]): the ids in order
+                delivery[0] = out[2] if buf is guarded else delivery[0]
                 out = ([g["group_id"] for g in out[0]], out[1])
             if call == "add":  # the guard adds its counts of retries and groups beyond a lease
                 assert (out.pop("duplicates", 0), out.pop("over_quota", 0)) == (0, 0)
@@ -1334,8 +1338,12 @@ def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(c
             if ask == 0 and q["groups"] and step % 4 == 1:
                 both("quota", "r", v, 100, 0)  # asked again before delivering: the same lease
             if q["groups"]:
-                groups = [make_group(f"g{made + i}", max(0, v - (step % 5 == 4)),
-                                     worker="r", rewards=[1.0, float(rng.random() < 0.6)])
+                made_with = v
+                if step % 5 == 4 and ask == 1:  # the trainer moves on while they are made
+                    v += 1
+                    both("set_version", v)
+                groups = [make_group(f"g{made + i}", made_with, worker="r",
+                                     rewards=[1.0, float(rng.random() < 0.6)])
                           for i in range(q["groups"])]
                 made += len(groups)
                 both("add", groups)
