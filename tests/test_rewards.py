@@ -398,6 +398,41 @@ def test_the_reward_check_recomputes_each_reward_and_names_a_lie(tiny_model, cap
         "reward_mismatch"
 
 
+def test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults(tiny_model, capfd):
+    """What trainer.py builds at jobs.sh --local's settings (UsableGroups with the arith reward
+    check on, the model's limits, the proxy's reward_range) does nothing to valid input: honest
+    groups handed over by a proxy come back as the same objects, in order, with nothing on
+    stderr, nothing counted, nothing reported to the proxy."""
+    from transformers import AutoTokenizer
+
+    import proxy
+    from support.group_checks import UsableGroups
+    from support.proxy_client import ProxyClient
+    from support.reward_check import TaskRewards
+
+    check = TaskRewards({"task": "arith"}, None, tiny_model)
+    tok, items = AutoTokenizer.from_pretrained(tiny_model), check.task.rows("train")
+    honest = [checked_group(tok, check.task, i, [f"It is {items[i]['answer']}.", "I think 7."])
+              for i in range(3)]
+    server, _ = proxy.serve(port=0, num_generations=2, max_completion_length=64)
+    try:
+        client = ProxyClient(f"http://127.0.0.1:{server.server_address[1]}")
+        client.set_version(0)
+        client.post_rollouts([dict(g, temperature=1.0, max_completion_length=64) for g in honest])
+        answer = client.get_batch(3, timeout=10)["groups"]
+        limits = {"num_generations": 2, "context": 4096, "reward_range": (-1e6, 1e6)}
+        usable = UsableGroups(client, len(tok), check, **limits)
+        got = usable(answer)
+        stats = client.stats()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [g["group_id"] for g in answer] == ["g0", "g1", "g2"]
+    assert len(got) == 3 and all(a is b for a, b in zip(got, answer))
+    assert usable.lap() == {} and stats["dropped_by_trainer"] == 0
+    assert "dropped" not in capfd.readouterr().err
+
+
 def test_the_math_check_costs_bounded_time_per_step(tiny_model, monkeypatch):
     """Issue 48, case 2: completions that decode to \\boxed{9^{9^{9}}} with a claimed reward of 0
     took math-verify's 5 s each in the trainer's check (20-30 s a step for 4 groups of 2). Now
