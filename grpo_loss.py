@@ -336,7 +336,7 @@ def check_settings(loss_type, max_completion_length, beta, ref_logprobs, delta, 
 
 
 def offpolicy_stats(logprobs, sampling_logprobs, mask, correction=None):
-    """For the logs (support/step_record.py's row_columns): "log_ratio", log(pi_theta /
+    """Statistics only, for the logs (step_record.row_columns): "log_ratio", log(pi_theta /
     pi_sampler) (B, T), and importance_sampling_ratio's "weight" and "outside" with correction's
     mode and bounds (sampler_correction's keywords), whether or not the loss applies them."""
     c = {**DEFAULTS, **(correction or {})}

@@ -1,6 +1,7 @@
 """Who wrote an adapter: the HMAC tags sync.py puts on each version's manifest and on
 adapters/LATEST, and how a restarted trainer tells the versions it published itself from the ones
-a bucket writer planted. Not needed to follow a hand-off (sync.py).
+a bucket writer planted. Without ADAPTER_KEY and TRAINER_STATE_KEY (jobs.sh --local) nothing is
+tagged or checked; each call's first docstring line says what it returns.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_sync.py -q -k "tag or planted"
 

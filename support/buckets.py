@@ -1,5 +1,6 @@
 """sync.py's storage underneath: the bucket backends (a directory, S3), the verified fetch, the
-trainer's resume state, the metrics records. Not needed to follow an adapter's hand-off (sync.py).
+trainer's resume state, the metrics records. To follow an adapter's hand-off (sync.py), each
+call's first docstring line says what it does with valid keys and files (tests/test_sync.py).
 
     python -m pytest tests/test_sync.py -q
 
@@ -276,6 +277,8 @@ class DirBucket(Bucket):
             os.close(fd)
 
     def read(self, key, limit=None):
+        """The bytes of the file at key (None if there is none): Bucket.read (tests/test_sync.py's
+        round trips)."""
         return self._retrying(f"read {key}", lambda: self._read(key, limit), self.seen)
 
     def _read(self, key, limit):
@@ -308,6 +311,7 @@ class DirBucket(Bucket):
         return data
 
     def write(self, key, data):
+        """The file at key holds data, written whole (temp file + os.replace): Bucket.write."""
         self._retrying(f"write {key}", lambda: self._write(key, data), self.written)
         self.seen = self.written = True
 
@@ -348,6 +352,7 @@ class DirBucket(Bucket):
                   "which sync.py never writes there: removed", file=sys.stderr, flush=True)
 
     def list(self, prefix=""):
+        """The sorted keys of the files under the bucket that start with prefix: Bucket.list."""
         folders, keys = prefix.split("/")[:-1], []  # walk only the deepest folder the prefix names
         deepest = "/".join([*folders, "-"])  # "-": a stand-in file name
         with contextlib.suppress(OSError), self._folder(deepest) as (fd, _):
@@ -366,6 +371,7 @@ class DirBucket(Bucket):
                     os.unlink(name, dir_fd=fd)
 
     def delete(self, key):
+        """The file at key gone (none there: nothing), then its folders left empty."""
         with contextlib.suppress(OSError):
             with self._folder(key) as (fd, name):
                 os.unlink(name, dir_fd=fd)

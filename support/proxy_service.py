@@ -1,5 +1,6 @@
 """What the proxy needs as a service on the internet around the run's state (proxy.py's
-RolloutBuffer). Not needed to follow a GRPO step (that is proxy.py, top to bottom).
+RolloutBuffer). A valid request with its token reaches proxy.py's Routes._route and gets its
+answer as 200 JSON (ProxyHandler); the step itself is proxy.py, top to bottom.
 
     credentials  the trainer's token, the replicas' secret R, a replica's name bound to R
     HTTP         the handler (ProxyHandler: the token, the worker it is bound to, the errors;
@@ -63,8 +64,10 @@ def replica_worker(secret, got):
 # ---- HTTP: the routes (the hardening a service on the internet needs: support/http_hardening.py)
 
 class ProxyHandler(http_hardening.Handler):
-    """Each request: 404/405, the token (401, 403), then self._route (proxy.py's Routes), its
-    ApiError as the answer; a /batch answer that cannot be written goes back to the buffer."""
+    """A valid request with its token: self._route's dict (proxy.py's Routes) as a 200 JSON
+    answer (every endpoint over real HTTP: tests/test_proxy.py). Else: 404/405, the token (401,
+    403), _route's ApiError as the answer; a /batch answer that cannot be written goes back to
+    the buffer."""
     buffer, token, rollout_token = None, None, None  # serve() binds one server's own
 
     def _serve(self):

@@ -1,5 +1,6 @@
 """The record of one trainer step: its statistics gathered micro-batch by micro-batch, the
-log line, metrics/step-S.json in the bucket, --report-to. Not needed to follow the step.
+log line, metrics/step-S.json in the bucket, --report-to. In the step: StepStats.result's "loss"
+is the sum of the micro-batches' weighted losses (add's); the rest is statistics and the record.
 
 This module imports no role file.
 """
@@ -103,8 +104,9 @@ class StepStats:
         self.forwarded = sum(s["forwarded"] for s in shares)
 
     def result(self):
-        """A dict: loss, ratio_mean, clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max
-        (ratio_mean and ratio_max are None when no group was forwarded: every advantage was 0),
+        """The step's loss (the sum of add's losses) and statistics, a dict: loss, ratio_mean,
+        clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max (ratio_mean and ratio_max are
+        None when no group was forwarded: every advantage was 0),
         the summary below over all forwarded rows, by_staleness {"0": {the summary, "tokens"},
         "1": ...}, groups_forwarded, absurd_ratio {group index: its largest ratio} for the groups
         whose ratio exceeds ABSURD_RATIO. The summary: approx_kl, clip_frac (token means),

@@ -1,5 +1,5 @@
 """The trainer's model, its optimizer and its resume state: what trainer.py needs around the
-GRPO step, not to follow it.
+GRPO step. A fresh start (no state in the bucket): start_run's first docstring line says it all.
 
     build_model, make_optimizer  the base model + a fresh LoRA; AdamW (departure 5)
     start_run    everything before the first step: the resume state in the bucket (checked; with
@@ -82,8 +82,10 @@ def make_optimizer(params, args):
 # ---- the start of a run: the resume state, the model, the first version
 
 def start_run(args, bucket, contract):
-    """Everything before the first step. Loads the resume state in the bucket (checked; with env
-    TRAINER_STATE_KEY, authenticated, and refused when older than the newest this trainer saved),
+    """Everything before the first step; in an empty bucket: the model with a new LoRA
+    (build_model), AdamW (make_optimizer), step 0, version 0, must_publish True.
+    Else it loads the resume state in the bucket (checked; with env TRAINER_STATE_KEY,
+    authenticated, and refused when older than the newest this trainer saved),
     builds the model and AdamW and restores them from it, picks the first version
     (starting_version, from the bucket's LATEST and version folders as numbers_to_follow reads
     them), starts --report-to. Prints the run's first lines.
