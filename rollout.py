@@ -195,8 +195,7 @@ class Replica:
         self.batches += 1
         return self.log_batch(groups, reply, gen_s)
 
-
-    # the replica's logs, below the step: not needed to follow it
+    # the step's checks and logs: a prompt that fits, a refresh that failed, the batch's line
 
     def fits(self, i):
         """Whether row i's templated prompt is within the run's max_prompt_length."""

@@ -83,7 +83,8 @@ def parse_json(raw, where):
 # ---- the trainer's resume state, and its metrics records
 
 def save_trainer_state(bucket, local_dir):
-    """Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
+    """The files under local_dir become the bucket's trainer state (trainer/ID/, trainer/STATE).
+    Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
     then delete older states: a crash at any point leaves the previous state loadable."""
     b, src = as_bucket(bucket), DirBucket(local_dir)
     files = {safe_name(local_dir, rel): src.read(rel) for rel in src.list()}
@@ -117,8 +118,7 @@ def current_state_id(b):
 
 
 def load_trainer_state(bucket, dest_dir, timeout=60.0):
-    """Write the current trainer state's files into dest_dir and return it; None if there is
-    none."""
+    """None in a bucket with no trainer state; else its files written into dest_dir: dest_dir."""
     b = as_bucket(bucket)
     if (state_id := current_state_id(b)) is None:
         return None
@@ -179,6 +179,7 @@ def open_bucket(url, retry_s=0.0):
 
 
 def as_bucket(bucket):
+    """The Bucket itself, or open_bucket of a path or URL."""
     return open_bucket(bucket) if isinstance(bucket, (str, os.PathLike)) else bucket
 
 

@@ -183,8 +183,9 @@ def check_model_limits(g, contract, where):
 
 
 def validate_rollouts(payload, max_groups, contract):
-    """The groups of a POST /rollouts body, every one checked before anything is changed (kept as
-    posted: a group with the length's old name, max_new_tokens, is handed out with it). Optional:
+    """The groups of a valid POST /rollouts body, as posted; else ApiError naming the field.
+    Every one checked before anything is changed (a group with the length's old name,
+    max_new_tokens, is handed out with it; tests/test_proxy.py's 400s). Optional:
     `reward_errors`, the groups its replica dropped because a reward function failed on them,
     with its `worker` (then `groups` may be empty): counted against its lease and in the
     trainer's step (support/worker_bounds.py's GuardedBuffer.add)."""
@@ -204,8 +205,8 @@ def validate_rollouts(payload, max_groups, contract):
 
 
 def check_contract(c):
-    """Raise ConfigError naming the first setting of the contract c that cannot work; makes
-    c["reward_range"] a [lo, hi] list of floats."""
+    """A contract that can work: nothing but reward_range made a [lo, hi] list of floats.
+    Else ConfigError naming the first setting of the contract c that cannot work."""
     lo, hi = c["reward_range"] = [float(x) for x in c["reward_range"]]
     works = {"num_generations": c["num_generations"] >= 2,
              "groups_per_step": c["groups_per_step"] >= 1,

@@ -22,8 +22,9 @@ TRAINER_FLAVORS = "l4x1, a10g-*, l40sx*, a100-*, h200*"  # the Jobs flavours of 
 
 
 def card_dtype(capability, role, name="this GPU"):
-    """The dtype, as a torch attribute name, that `role` ("trainer" or "replica") computes in on
-    a CUDA card of compute capability (major, minor); capability None (no CUDA): "float32".
+    """"float32" without CUDA (capability None); else the dtype for `role` on this card.
+    The dtype, as a torch attribute name, that `role` ("trainer" or "replica") computes in on
+    a CUDA card of compute capability (major, minor).
 
     From 8.0 (A10G, L4, L40S, A100, H200) "bfloat16", for the trainer and both engines alike, so
     that sampler and learner run the same dtype. Below 8.0 (T4: 7.5) there is no bf16: a replica

@@ -95,8 +95,9 @@ class VLLMEngine:
         self.llm.llm_engine.add_lora(self.lora)
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        """n Samples per prompt from softmax(logits / T): ids cut at and including the first EOS,
-        each id's log-prob, the text, finish_reason "stop" (EOS) or "length"."""
+        """n Samples a prompt: ids to the first EOS, their log-probs, text, finish_reason.
+        From softmax(logits / T): ids cut at and including the first EOS, each id's log-prob, the
+        text, finish_reason "stop" (EOS) or "length"."""
         outs = self._run(prompt_ids_list, n=n, temperature=temperature, top_k=0, top_p=1.0,
                          max_tokens=max_new_tokens,
                          logprobs=0)  # logprobs=0: only the sampled token's log-prob
@@ -225,9 +226,10 @@ class HFEngine:
         self.fast = self.fast and fast_decode_support(self.model) is None
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        """n Samples per prompt from softmax(logits / T): ids cut at and including the first EOS,
-        each id's log-prob, the text, finish_reason "stop" (EOS) or "length". Each prompt's tokens
-        are computed once, then _decode (or _generate_plain) samples its n rows."""
+        """n Samples a prompt: ids to the first EOS, their log-probs, text, finish_reason.
+        From softmax(logits / T): ids cut at and including the first EOS, each id's log-prob, the
+        text, finish_reason "stop" (EOS) or "length". Each prompt's tokens are computed once, then
+        _decode (or _generate_plain) samples its n rows."""
         per_call = max(1, self.batch_size // n)
         sample = self._decode if self.fast else self._generate_plain
         results = []

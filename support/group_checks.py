@@ -38,12 +38,13 @@ class Waiting:
 
 
 class UsableGroups:
-    """Of each answer of the proxy, the groups the trainer can use: valid ones come back as they
-    are, in order. A group it cannot use (group_problem; limits: num_generations, context,
-    reward_range) or whose rewards are not its task's (`rewards`: a reward_check.TaskRewards, or
-    None) is named on stderr, counted (lap) and reported to the proxy (POST /reject), which gives
-    it back to the step's quota and bans its worker: a drop never leaves the trainer waiting on a
-    group nobody makes."""
+    """Of each proxy answer, the groups the trainer can use: valid ones unchanged, in order.
+    (tests/test_rewards.py::test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults)
+    A group it cannot use (group_problem; limits: num_generations, context, reward_range) or whose
+    rewards are not its task's (`rewards`: a reward_check.TaskRewards, or None) is named on
+    stderr, counted (lap) and reported to the proxy (POST /reject), which gives it back to the
+    step's quota and bans its worker: a drop never leaves the trainer waiting on a group nobody
+    makes."""
 
     def __init__(self, client, vocab_size, rewards=None, **limits):
         self.client, self.vocab_size, self.limits = client, vocab_size, limits

@@ -169,8 +169,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def read_json(self):
-        """The body, its size checked from Content-Length before a byte is read, then read in chunks
-        under the request's deadline and parsed."""
+        """The body's JSON value; read only after its size is checked from Content-Length, in
+        chunks under the request's deadline."""
         lengths = self.headers.get_all("Content-Length") or []
         if "Transfer-Encoding" in self.headers or not lengths:
             raise ApiError("Content-Length is required (chunked bodies are not accepted)", 411)
@@ -197,8 +197,8 @@ class Handler(BaseHTTPRequestHandler):
         return parse_json(body)
 
     def peer_gone(self):
-        """True when the client hung up while it waited (a trainer killed mid-poll): hand it
-        nothing."""
+        """Whether the client hung up while it waited (a trainer killed mid-poll): False for one
+        still there, which gets its answer."""
         poll = select.poll()
         poll.register(self.connection, select.POLLIN)
         try:

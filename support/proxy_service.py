@@ -150,8 +150,8 @@ def read_reports(body, max_groups):
 
 
 class ProxyServer(http_hardening.Server):
-    """http_hardening.Server with the run's buffer: closing it wakes the long polls; a log line a
-    minute."""
+    """http_hardening.Server with the run's buffer: a request goes to its ProxyHandler.
+    Closing it wakes the long polls; a log line a minute."""
 
     def __init__(self, address, handler, max_connections=256, log_every=60.0):
         self.buffer = handler.buffer
@@ -187,7 +187,8 @@ def body_limit(c):
 
 
 def settle(contract):
-    """A serve() call's settings, with a setting's old name (OLD_NAMES: max_new_tokens) set to the
+    """The contract as given (a copy), its old names (max_new_tokens) under the new ones.
+    A serve() call's settings, with a setting's old name (OLD_NAMES: max_new_tokens) set to the
     new one's value; given under both names, they must agree."""
     c = dict(contract)
     for old, new in OLD_NAMES.items():
@@ -237,7 +238,8 @@ def trainer_signs(buf):
 
 def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None,
                    start_timeout=None):
-    """`python proxy.py`'s life after serve(): until the trainer is done and every replica was
+    """Serve until the run is over (trainer done and replicas told), then stop; nothing else.
+    `python proxy.py`'s life after serve(): until the trainer is done and every replica was
     told (or nobody asked for `linger` s), SIGTERM or Ctrl-C; then stop and write the final
     /stats to stats_file.
 

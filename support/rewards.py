@@ -113,9 +113,10 @@ def is_conversational(prompt):
 
 
 def templated(tokenizer, prompt):
-    """(text, ids) the engine is fed, as TRL's GRPOTrainer makes them: a conversational prompt
-    through the chat template with the generation prompt, a plain string as it is (the
-    tokenizer's own special tokens added: TRL calls processing_class(text=prompts))."""
+    """(text, ids) of a prompt as TRL's GRPOTrainer makes them (the engine's input).
+    A conversational prompt through the chat template with the generation prompt, a plain
+    string as it is (the tokenizer's own special tokens added: TRL calls
+    processing_class(text=prompts))."""
     if not is_conversational(prompt):
         return prompt, tokenizer(prompt)["input_ids"]
     if tokenizer.chat_template:
@@ -176,9 +177,10 @@ class Task:
         return json.dumps([[n, reward_source(fn)] for n, fn in self.funcs] + [self.weights])
 
     def score(self, row, texts, ids, where):
-        """(rewards, per_function) of G completions of one row: rewards[j] the weighted sum of
-        the functions' values that are not None (TRL's nansum), per_function[k][j] function k's
-        value. RewardFuncError names the function and `where` (the row) when one misbehaves."""
+        """(rewards, per_function): the reward functions on G completions, TRL's weighted sum.
+        Of G completions of one row: rewards[j] the weighted sum of the functions' values that are
+        not None (TRL's nansum), per_function[k][j] function k's value. RewardFuncError names the
+        function and `where` (the row) when one misbehaves."""
         prompt = row["prompt"]
         columns = {k: [v] * len(texts) for k, v in row.items()
                    if k not in ("prompt", "completion", "completion_ids")}

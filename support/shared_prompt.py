@@ -25,7 +25,8 @@ def by_group(seqs, idx):
 
 
 def make_microbatches(seqs, max_tokens, at_least=1):
-    """Split the step into micro-batches of whole groups, at most max_tokens each (padding counted,
+    """Lists of row indices: whole groups, at most max_tokens each; every row once.
+    Split the step into micro-batches of whole groups, at most max_tokens each (padding counted,
     and each group's prompt once: k groups of n completions cost k * longest prompt + n * longest
     completion). Longest first, so that an out-of-memory shows on the first pass; a group over
     budget goes alone. at_least: the budget shrinks by a fifth until there are that many

@@ -206,6 +206,10 @@ def math_verify_loop():
     def boxed(latex):
         return parse(f"\\boxed{{{latex}}}", [LatexExtractionConfig()], parsing_timeout=1)
 
+    # the first parse loads math-verify's grammar (~2 s on a loaded 2-core machine): before
+    # "ready", with no time limit, so that no answer's 1 s limit pays for it
+    parse("\\boxed{\\left( 1, \\frac{\\pi}{2} \\right)}", [LatexExtractionConfig()],
+          parsing_timeout=None)
     print("ready", flush=True)
     for line in sys.stdin:
         answer, reference = json.loads(line)
@@ -298,8 +302,7 @@ def math_item(row, where):
 
 
 def shard_order(n_items, seed, replica_id, num_replicas):
-    """Endless item indices for one replica: its own slice, reshuffled each epoch with
-    seed + replica_id."""
+    """Endless row indices for one replica: its own slice, reshuffled each epoch (seed + id)."""
     # toy has 1 item: then every replica takes all
     mine = list(range(replica_id, n_items, num_replicas)) or list(range(n_items))
     rng = random.Random(seed + replica_id)

@@ -82,8 +82,8 @@ def make_optimizer(params, args):
 # ---- the start of a run: the resume state, the model, the first version
 
 def start_run(args, bucket, contract):
-    """Everything before the first step; in an empty bucket: the model with a new LoRA
-    (build_model), AdamW (make_optimizer), step 0, version 0, must_publish True.
+    """In an empty bucket: build_model's model, make_optimizer's AdamW, step 0, v0 to publish.
+    (tests/test_trainer.py's runs start so.) Everything before the first step.
     Else it loads the resume state in the bucket (checked; with env TRAINER_STATE_KEY,
     authenticated, and refused when older than the newest this trainer saved),
     builds the model and AdamW and restores them from it, picks the first version
