@@ -4,7 +4,7 @@ random roles are SIGKILLed at random moments and restarted with the same command
     python bench/chaos.py --minutes 10 --seed 0          # directory bucket
     python bench/chaos.py --minutes 3 --seed 1 --s3      # s3://... on a moto_server of its own
 
-At the end (and after every kill) it checks the invariants of issue 7 and prints a summary:
+At the end (and after every kill) it checks the run's invariants and prints a summary:
   - no adapter version is published twice ("published vN" lines of every trainer run, strictly
     rising), and a restarted trainer resumes from the state the bucket holds at that moment;
   - every version in the bucket that has a manifest verifies, and LATEST verifies (checked while

@@ -1,4 +1,4 @@
-"""The swap (issue 50): trainer.py's update fed by transformers' own sampling, in one process.
+"""The swap: trainer.py's update fed by transformers' own sampling, in one process.
 
     # SmolLM2 on arith at jobs.sh's local settings, synchronous; one file a seed, resumable
     OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/swap_sampler.py --seeds 0 1 2 \\

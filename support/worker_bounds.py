@@ -207,6 +207,7 @@ class GuardedBuffer:
                 core.leases[worker] = 0
                 self.terms[worker] = Lease(now + timeout + self.lease_timeout, version)
             core.cond.notify_all()
+
             def record(w, n):  # the lease of n groups, and its terms
                 self._lease(w, version, n, owed)
             reply = core.quota(worker, version, most, timeout, rule=self._quota,
