@@ -77,10 +77,12 @@ class UsableGroups:
         """kind -> groups dropped since the last lap (a step's `groups_dropped`); with
         "reward_func_error", those the replicas dropped because a reward function failed on them
         (the proxy counts them: ProxyClient.reward_errors; a restarted proxy counts from 0)."""
-        total = getattr(self.client, "reward_errors", 0)
-        if (new := total - self.reward_errors if total >= self.reward_errors else total) > 0:
+        total = getattr(self.client, "reward_errors", 0)  # the run's, in the last /batch answer
+        new = total - self.reward_errors if total >= self.reward_errors else total
+        if new > 0:
             self.dropped["reward_func_error"] = new
-        self.reward_errors, (dropped, self.dropped) = total, (self.dropped, {})
+        self.reward_errors = total
+        dropped, self.dropped = self.dropped, {}
         return dropped
 
 
