@@ -106,10 +106,10 @@ class StepStats:
     def result(self):
         """The step's loss (the sum of add's losses) and statistics, a dict: loss, ratio_mean,
         clip_low_frac, clip_high_frac, kl (beta > 0), ratio_max (ratio_mean and ratio_max are
-        None when no group was forwarded: every advantage was 0),
-        the summary below over all forwarded rows, by_staleness {"0": {the summary, "tokens"},
-        "1": ...}, groups_forwarded, absurd_ratio {group index: its largest ratio} for the groups
-        whose ratio exceeds ABSURD_RATIO. The summary: approx_kl, clip_frac (token means),
+        None when no group was forwarded: every advantage was 0), the summary below over all
+        forwarded rows, by_staleness {"0": {the summary, "tokens"}, "1": ...}, groups_forwarded,
+        absurd_ratio {group index: its largest ratio} for the groups whose ratio exceeds
+        ABSURD_RATIO. The summary: approx_kl, clip_frac (token means),
         LOGP_DIFF mean (a token mean) and max, IS_RATIO min, mean, max and outside_frac (over
         tokens, or over completions for a sequence_* mode, as TRL; 0 with none), OPM_MASKED."""
         table = torch.cat(self.rows) if self.rows else torch.zeros(0, 1 + len(STAT_COLUMNS))
@@ -209,9 +209,9 @@ def log_step(run, args, groups, seqs, stats, *, step, version, grad_norm, finite
     if run.reporter:  # the same numbers (lists and dicts left out)
         run.reporter.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
     kl = f" kl {rec['kl']:.4f}" if args.beta > 0 else ""
+    lost = f", {rec['groups_dropped_total']} dropped" if dropped else ""
     print(f"step {step} v{version} | reward {rec['reward_mean']:.3f} ± "
-          f"{rec['reward_std']:.3f} | groups {len(groups)} ({flat} all-equal"
-          f"{', %d dropped' % rec['groups_dropped_total'] if dropped else ''}) | stale "
+          f"{rec['reward_std']:.3f} | groups {len(groups)} ({flat} all-equal{lost}) | stale "
           f"{rec['staleness_mean']:.2f}/{rec['staleness_max']} | loss {rec['loss']:.4f} ratio "
           f"{rec['ratio_mean'] or 1:.4f} (max {rec['ratio_max'] or 1:.2f}) approx_kl "
           f"{rec['approx_kl']:.5f} clip {rec['clip_frac']:.3f}{kl} | sampler |dlogp| "
