@@ -398,11 +398,13 @@ def test_the_reward_check_recomputes_each_reward_and_names_a_lie(tiny_model, cap
         "reward_mismatch"
 
 
-def test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults(tiny_model, capfd):
+@pytest.mark.parametrize("reward_check", [True, False])
+def test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults(tiny_model, capfd,
+                                                                          reward_check):
     """What trainer.py builds at jobs.sh --local's settings (UsableGroups with the arith reward
-    check on, the model's limits, the proxy's reward_range) does nothing to valid input: honest
-    groups handed over by a proxy come back as the same objects, in order, with nothing on
-    stderr, nothing counted, nothing reported to the proxy."""
+    check on, the model's limits, the proxy's reward_range; and without a task, the check off)
+    does nothing to valid input: honest groups handed over by a proxy come back as the same
+    objects, in order, with nothing on stderr, nothing counted, nothing reported to the proxy."""
     from transformers import AutoTokenizer
 
     import proxy
@@ -421,7 +423,7 @@ def test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults(tiny_m
         client.post_rollouts([dict(g, temperature=1.0, max_completion_length=64) for g in honest])
         answer = client.get_batch(3, timeout=10)["groups"]
         limits = {"num_generations": 2, "context": 4096, "reward_range": (-1e6, 1e6)}
-        usable = UsableGroups(client, len(tok), check, **limits)
+        usable = UsableGroups(client, len(tok), check if reward_check else None, **limits)
         got = usable(answer)
         stats = client.stats()
     finally:
