@@ -148,7 +148,7 @@ def jobs_defaults():
     """The settings `bash jobs.sh --local` runs with: bash evaluates jobs.sh's settings block (from
     its "# Settings" line to "RUN=...") in local mode, with none of them set in the environment."""
     show = "; ".join(f'echo "{k}=${{{k}-}}"' for k in SETTINGS + OURS_ONLY + ("STEPS",))
-    script = ('mode=local action=launch; die() { echo "$*" >&2; exit 1; }; '
+    script = ('. scripts/jobs_lib.sh; mode=local action=launch; '  # jobs.sh's helpers, functions only
               f'eval "$(sed -n "/^# Settings/,/^RUN=/p" jobs.sh)"; {show}')
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS + OURS_ONLY + ("STEPS",)}
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)

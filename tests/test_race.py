@@ -173,6 +173,20 @@ def test_ours_settings_other_than_jobs_defaults_are_checked_by_name():
             bench_vs_trl.parse_args(["--ours", bad])
 
 
+def test_the_races_settings_are_jobs_sh_local_defaults():
+    """bench_vs_trl.jobs_defaults (the race, the seeds and the swap read it) evaluates jobs.sh's
+    settings block as `jobs.sh --local` does: the table's local values, jobs.sh's THREADS."""
+    import bench_vs_trl
+    from support import defaults
+
+    got, local = bench_vs_trl.jobs_defaults(), defaults.values("local")
+    for name in ("TASK", "GROUPS_PER_STEP", "NUM_GENERATIONS", "LEARNING_RATE", "LORA_R", "SEED",
+                 "MAX_STALENESS", "STEPS"):
+        assert got[name] == local[name], name
+    assert got["MAX_NEW_TOKENS"] == local["MAX_COMPLETION_LENGTH"]
+    assert got["THREADS"] == "1"
+
+
 def test_the_rank_test_over_runs_counts_every_split_of_the_pooled_runs():
     # TRL's runs rank 2nd, 5th and 6th of six: splits with a rank sum >= 13 are
     # {4,5,6}, {3,5,6}, {2,5,6}, {3,4,6}: 4 of 20
