@@ -253,7 +253,7 @@ def grpo_update(model, optimizer, groups, args, step, version,
     rewards = torch.tensor([s["reward"] for s in seqs])  # (B,) B = groups * G
     advantages = grpo_loss.group_advantages(rewards, args.num_generations, args.scale_rewards)
     # 7. + 8. log-probs and the loss, the gradient accumulated over the micro-batches.
-    # Zeros, not None: all-equal groups still step AdamW's momentum, as TRL's do.
+    # Zeros, not None (make_optimizer's): all-equal groups still step AdamW, as TRL's do.
     optimizer.zero_grad(set_to_none=False)
     stats = loss_and_backward(
         model, seqs, advantages, mbs, loss_type=args.loss_type, epsilon=args.epsilon,

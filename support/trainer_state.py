@@ -75,7 +75,13 @@ def saves_state(step, args):
 
 
 def make_optimizer(params, args):
-    """AdamW, no weight decay (departure 5); a resume state must match it (state_problem)."""
+    """AdamW, no weight decay (departure 5); a resume state must match it (state_problem).
+    The gradients start at 0, not None: a first step whose groups all have equal rewards (no
+    backward) still steps AdamW's count, as TRL's (whose backward makes zeros) does."""
+    params = list(params)
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
 
 

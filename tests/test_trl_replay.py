@@ -127,3 +127,27 @@ def test_the_replay_sees_a_different_update(tiny_model, flags, optimizer):
     times the tolerance within the 5 steps (measured: 2.3e-2, 9.9e-3, 2.4e-2 of the update)."""
     rows = replay(tiny_model, load(), flags, optimizer)
     assert max(rel for rel, *_ in rows) > 5 * TOLERANCE, rows
+
+
+def test_a_first_step_of_equal_rewards_steps_adamw_as_trls_does(tiny_model):
+    """TRL backpropagates its loss even when every group's rewards are equal (advantages 0): AdamW
+    then steps on zero gradients, its count goes to 1, and the next step's bias correction is
+    that of step 2. trainer.py forwards nothing for such groups; make_optimizer's zero gradients
+    make AdamW step all the same (with None gradients it skipped the step, and after the next
+    step the weights were 0.34 of TRL's update away from TRL's: `bench_vs_trl.py --check-update
+    2 --steps 2` on the tiny model, whose first batch earns 0 everywhere)."""
+    batch, G = load()["batches"][0], load()["config"]["num_generations"]
+    args = cli.trainer_args(["--model", tiny_model, "--bucket", "unused", "--proxy",
+                             "http://127.0.0.1:9", "--num-generations", str(G),
+                             "--groups-per-step", str(len(batch) // G), "--max-steps", "10"])
+    model = trainer_state.build_model(tiny_model, args.lora_r, args.lora_alpha, "all-linear")
+    params = list(trainer_state.lora_parameters(model))
+    optimizer = trainer_state.make_optimizer(params, args)
+    before = [p.detach().clone() for p in params]
+    groups = [{"prompt_ids": batch[k]["prompt_ids"], "policy_version": 0, "completions": [
+        {"ids": r["ids"], "logprobs": [0.0] * len(r["ids"]), "reward": 0.0,
+         "finish_reason": "length"} for r in batch[k:k + G]]} for k in range(0, len(batch), G)]
+    *_, grad_norm, finite = trainer.grpo_update(model, optimizer, groups, args, 0, 0)
+    assert finite and grad_norm == 0.0
+    assert [int(optimizer.state[p]["step"]) for p in params] == [1] * len(params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
