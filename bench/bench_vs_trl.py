@@ -47,11 +47,12 @@ median ratio of times to the target with a 95% bootstrap interval, the median fi
 
 --check-update N answers another question: is trainer.py's update TRL's? TRL trains N steps with the
 race's config while its batches (prompt and completion ids, rewards) and LoRA weights are kept; then
-trainer.py's functions (grpo_loss.group_advantages, plain_logprobs_fast,
-compute_loss_and_backward) and an AdamW with trainer.py's settings replay the same batches from
-TRL's initial LoRA, and the weights are compared after each step (exit 1 if they differ by more
-than 1% of the update). --beta sets both sides' KL coefficient for it (TRL's reference model with
-PEFT is the adapter disabled, as trainer.py's; both with TRL's use_bias_correction_kl=True).
+trainer.grpo_update, with trainer.py's flags, schedule and AdamW (trainer_state.make_optimizer),
+replays the same batches from TRL's initial LoRA, and the weights are compared after each step
+(exit 1 if they differ by more than 1% of the update). With N = --steps (the whole trajectory)
+both final adapters are scored like the race's. --beta sets both sides' KL coefficient for it
+(TRL's reference model with PEFT is the adapter disabled, as trainer.py's; both with TRL's
+use_bias_correction_kl=True); --check-flags changes ours' replay only.
 So a difference in learning per step between the two sides of the race
 comes from the batches (which prompts, which samples), not from the update.
 
@@ -121,6 +122,9 @@ def parse_args(argv=None):
            "e.g. --ours MAX_STALENESS=0 (with --skip-trl: against the TRL runs already in --out)")
     a("--check-update", type=int, default=0, metavar="N",
       help="only replay TRL's first N batches with trainer.py's update and compare the weights")
+    a("--check-flags", default="", metavar="'--FLAG VALUE ...'",
+      help="with --check-update: trainer.py flags for ours' replay only, after '=' (e.g. "
+           "--check-flags='--max-grad-norm 0.5')")
     a("--beta", type=float,
       help="with --check-update: both sides' KL coefficient (default: jobs.sh's BETA)")
     a("--out", default=os.path.join(ROOT, "runs/bench-vs-trl"), help="results, logs and race.png")
@@ -238,9 +242,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import ProfilingContext
 
-import rollout
 import trainer as ours
-from support import cli, rewards, shared_prompt, tasks, trainer_state
+from support import cli, rewards, tasks, trainer_state
 
 torch.set_num_threads(cfg["threads"])
 rows = tasks.load_task(cfg["task"], "train")  # [{"prompt": [the user's message], "answer"}]
@@ -358,41 +361,44 @@ if not replay:
     trainer.save_model(os.path.join(cfg["out"], "final"))
     sys.exit(0)
 
-# --check-update: trainer.py's update on TRL's batches, from TRL's initial LoRA
-import grpo_loss
-
-model = trainer_state.build_model(cfg["model"], int(s["LORA_R"]), int(s["LORA_ALPHA"]), "all-linear", int(s["SEED"]))
+# --check-update: trainer.grpo_update (trainer.py's flags, schedule and AdamW) on TRL's batches, from
+# TRL's initial LoRA, as trainer.train runs it: the replica's log-probs are the policy's own (staleness 0)
+trl_norms = [float(r["grad_norm"]) for r in trainer.state.log_history if "grad_norm" in r]
+args = cli.trainer_args([
+    "--model", cfg["model"], "--bucket", "unused", "--proxy", "http://127.0.0.1:9", "--seed", s["SEED"],
+    "--num-generations", str(G), "--groups-per-step", str(B), "--max-staleness", "0",
+    "--temperature", s["TEMPERATURE"], "--max-completion-length", s["MAX_NEW_TOKENS"],
+    "--learning-rate", s["LEARNING_RATE"], "--lr-scheduler-type", s["LR_SCHEDULER_TYPE"],
+    "--max-steps", str(cfg["steps"]), "--lora-r", s["LORA_R"], "--lora-alpha", s["LORA_ALPHA"],
+    "--loss-type", s["LOSS_TYPE"], "--beta", s["BETA"], *cfg.get("replay_flags", [])])
+model = trainer_state.build_model(cfg["model"], args.lora_r, args.lora_alpha, args.lora_target, args.seed)
 set_peft_model_state_dict(model, initial)
-model.eval()
-lr, T = float(s["LEARNING_RATE"]), float(s["TEMPERATURE"])
-optimizer = torch.optim.AdamW(trainer_state.lora_parameters(model), lr=lr, weight_decay=0.0)  # as trainer.train
+optimizer = trainer_state.make_optimizer(trainer_state.lora_parameters(model), args)
+eos = {tokenizer.eos_token_id}  # TRL's completion ends at its first EOS (its completion_mask)
 worst = 0.0
 for step, (b, trl_after) in enumerate(zip(batches, weights)):
-    seqs = []
-    for r in range(b["prompt_ids"].shape[0]):  # TRL's padded rows -> trainer.py's records, group = r // G
+    rows = []
+    for r in range(b["prompt_ids"].shape[0]):  # TRL's padded rows, group = r // G
         pm, cm = b["prompt_mask"][r].bool(), b["completion_mask"][r].bool()
-        seqs.append({"prompt_ids": b["prompt_ids"][r][pm].tolist(), "ids": b["completion_ids"][r][cm].tolist(),
-                     "reward": float(b["rewards"][r]), "policy_version": 0, "truncated": False, "group": r // G})
-    advantages = grpo_loss.group_advantages(torch.tensor([q["reward"] for q in seqs]), G, "group")  # (B,)
+        rows.append({"prompt_ids": b["prompt_ids"][r][pm].tolist(), "ids": b["completion_ids"][r][cm].tolist()})
     with torch.no_grad():  # on-policy, as TRL's old_per_token_logps = per_token_logps.detach()
-        now = shared_prompt.plain_logprobs_fast(model, seqs, list(range(len(seqs))), grpo_loss.token_logprobs, T)  # (B, C)
-    for r, q in enumerate(seqs):
-        q["logprobs"] = now[r, :len(q["ids"])].tolist()
-    optimizer.zero_grad(set_to_none=False)  # as trainer.train
-    ours.compute_loss_and_backward(model, seqs, advantages, shared_prompt.make_microbatches(seqs, 8192), s["LOSS_TYPE"], 0.2,
-                                   None, float(s["BETA"]), int(s["MAX_NEW_TOKENS"]), T,
-                                   delta=cli.DELTA)
-    torch.nn.utils.clip_grad_norm_(trainer_state.lora_parameters(model), 1.0)
-    for g in optimizer.param_groups:
-        g["lr"] = lr * (1 - step / cfg["steps"] if s["LR_SCHEDULER_TYPE"] == "linear" else 1)
-    optimizer.step()
+        now = ours.plain_logprobs(model, rows, range(len(rows)), args.temperature)  # (B * G, C)
+    groups = [{"prompt_ids": rows[k]["prompt_ids"], "policy_version": step, "completions": [
+        {"ids": rows[i]["ids"], "logprobs": now[i, :len(rows[i]["ids"])].tolist(),
+         "reward": float(b["rewards"][i]), "finish_reason": "stop" if rows[i]["ids"][-1:] and
+         rows[i]["ids"][-1] in eos else "length"} for i in range(k, k + G)]} for k in range(0, len(rows), G)]
+    _, _, _, grad_norm, _ = ours.grpo_update(model, optimizer, groups, args, step, step)
     mine = get_peft_model_state_dict(model)
     diff = sum(((mine[k] - trl_after[k]) ** 2).sum() for k in mine).sqrt()
     moved = sum(((trl_after[k] - initial[k]) ** 2).sum() for k in mine).sqrt()  # TRL's update so far
+    largest = max((mine[k] - trl_after[k]).abs().max().item() for k in mine)
     worst = max(worst, (diff / moved).item())
-    print(f"update check: step {step + 1}: reward {b['rewards'].mean():.3f}, advantages max |ours - TRL's| "
-          f"{(advantages - b['advantages'].float()).abs().max():.1e}, LoRA weights |ours - TRL's| = "
-          f"{diff / moved:.1e} of TRL's update so far (|update| {moved:.3f})", flush=True)
+    print(f"update check: step {step + 1}: reward {b['rewards'].mean():.3f}, LoRA weights |ours - TRL's| = "
+          f"{diff / moved:.1e} of TRL's update so far (|update| {moved:.3f}), largest weight difference "
+          f"{largest:.1e}; gradient norm ours {grad_norm:.4f}, TRL's {trl_norms[step]:.4f}", flush=True)
+if replay == cfg["steps"]:  # the whole trajectory: both final adapters, scored by bench_vs_trl.check_update
+    trainer.save_model(os.path.join(cfg["out"], "trl-final"))
+    model.save_pretrained(os.path.join(cfg["out"], "ours-final"))
 print(f"update check: {'SAME' if worst < 0.01 else 'DIFFERENT'} update (worst {worst:.1e} of the update; "
       "the limit is 1e-2)", flush=True)
 sys.exit(0 if worst < 0.01 else 1)
@@ -408,12 +414,22 @@ def check_update(a, settings, out):
         f.write(TRL_SCRIPT)
     cfg = {"root": ROOT, "model": a.model, "task": settings["TASK"], "settings": settings, "steps": a.steps,
            "save_steps": a.steps, "threads": a.trl_threads, "out": work, "steps_log": os.path.join(work, "steps.jsonl"),
-           "replay_steps": a.check_update}
+           "replay_steps": a.check_update, "replay_flags": a.check_flags.split()}
     env = trl_env(a.trl_threads, a.trl_malloc)
     log(f"TRL {TRL_VERSION}: {a.check_update} steps, then trainer.py's update on the same batches "
         f"(log: {work}/trl.log)")
     rc, _ = stream([py, os.path.join(work, "train_trl.py"), json.dumps(cfg)], os.path.join(work, "trl.log"), env,
                    echo=re.compile(r"^\s*step \d+|^update check"))
+    if a.check_update == a.steps and rc in (0, 1):  # the whole trajectory: both final adapters, scored
+        got = {}
+        for side in ("trl", "ours"):
+            bucket = os.path.join(work, f"{side}-bucket")
+            sync.publish_adapter(bucket, os.path.join(work, f"{side}-final"), a.steps, keep=None, step=a.steps)
+            got[side] = scored(evaluate(a, settings, bucket, a.steps, os.path.join(work, f"eval-{side}.json")))
+        both = list(zip(got["trl"]["correct"], got["ours"]["correct"]))
+        log(f"update check: after {a.steps} steps, greedy held-out accuracy: TRL's adapter "
+            f"{pct(got['trl']['accuracy'])}, ours (TRL's batches) {pct(got['ours']['accuracy'])}; "
+            f"{sum(t != o for t, o in both)} of {len(both)} problems scored differently")
     sys.exit(rc)
 
 
