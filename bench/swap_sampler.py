@@ -4,8 +4,9 @@
     OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python bench/swap_sampler.py --seeds 0 1 2 \\
         --model runs/models/smollm2-135m-instruct --out runs/swap
     # the whole path on the tiny model, in about a minute
+    .venv/bin/python tests/tiny_model.py /tmp/tiny
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python bench/swap_sampler.py --seeds 0 \\
-        --model TINY --task toy --steps 3 --eval-limit 20 --out /tmp/swap
+        --model /tmp/tiny --task toy --steps 3 --eval-limit 20 --out /tmp/swap
 
 TRL's GRPOTrainer without vLLM samples with transformers' `generate` in its own process, one
 step after the other; ours samples with its replica (support/engines.py). This runs trainer.py's
