@@ -22,7 +22,8 @@ at TRL's settings `--staleness 0 --env ZERO_VARIANCE=keep --prefix gap`, at the 
 and prints each side's seeds, then each of ours' settings against TRL: medians, means, the
 difference of each with a 90% percentile-bootstrap interval (each side's runs resampled on their
 own: a seed does not pair two implementations), and the exact one-sided rank-sum test of "TRL's
-runs end above ours" (race_stats).
+runs end above ours" (race_stats); then ours' settings against each other, paired by seed (the
+same prompts, initial LoRA and first batch): the mean difference and an exact sign-flip test.
 """
 
 import argparse
@@ -154,6 +155,21 @@ def table(records):
         rows.append([SIDES.get(side, side), f"{len(trl)} / {len(ours)}", *cells,
                      f"{race_stats.rank_test(trl, ours):.2f}"])
     lines.append(bench_vs_trl.markdown(head, rows))
+    ours = [k for k in sides if k != "trl"]
+    pairs = [(a, b) for i, a in enumerate(ours) for b in ours[i + 1:]
+             if len(set(records[a]) & set(records[b])) > 1]
+    if pairs:  # one implementation at two settings: a seed pairs them (prompts, LoRA, 1st batch)
+        head = ["the same seeds, ours at two settings", "seeds", "mean difference (SE)",
+                "the first higher at", "sign-flip p (two-sided)"]
+        rows = []
+        for a, b in pairs:
+            d = [records[a][k] - records[b][k] for k in sorted(set(records[a]) & set(records[b]))]
+            se = statistics.stdev(d) / len(d) ** 0.5
+            rows.append([f"{SIDES.get(a, a)} - {SIDES.get(b, b)}", str(len(d)),
+                         f"{100 * statistics.mean(d):+.1f} ({100 * se:.1f}) points",
+                         f"{sum(x > 0 for x in d)} of {len(d)}",
+                         f"{race_stats.sign_flip_test(d):.3f}"])
+        lines += ["", bench_vs_trl.markdown(head, rows)]
     return "\n".join(lines)
 
 

@@ -115,6 +115,15 @@ def rank_test(a, b):
     return sum(sum(c) >= mine - 1e-9 for c in splits) / len(splits)
 
 
+def sign_flip_test(diffs):
+    """Exact two-sided paired test of "the mean difference is 0": the share of the 2^n ways to
+    flip the differences' signs whose mean is at least as far from 0 as the one measured. For runs
+    of one implementation paired by seed (the same prompts, initial LoRA and first batch)."""
+    far = abs(sum(diffs)) - 1e-9
+    flips = itertools.product((1, -1), repeat=len(diffs))
+    return sum(abs(sum(f * d for f, d in zip(fs, diffs))) >= far for fs in flips) / 2 ** len(diffs)
+
+
 def over_seeds(rows):
     """The race's verdict over seeds: the median ratio of times to the target with its bootstrap
     interval, the median final accuracies, McNemar's test pooled over seeds and problems (these

@@ -187,6 +187,14 @@ def test_the_races_settings_are_jobs_sh_local_defaults():
     assert got["THREADS"] == "1"
 
 
+def test_the_paired_sign_flip_test_by_hand():
+    """race_stats.sign_flip_test: of the 8 sign patterns of (1, 2, 3) only all + and all - reach
+    |sum| 6; differences that cancel are as far as every pattern; a wrong sign counts less."""
+    assert rs.sign_flip_test([0.01, 0.02, 0.03]) == 2 / 8
+    assert rs.sign_flip_test([0.01, -0.01]) == 1.0
+    assert rs.sign_flip_test([0.03, 0.02, -0.01]) == 4 / 8  # |sum| >= 4: +++, ++-, and negatives
+
+
 def test_the_rank_test_over_runs_counts_every_split_of_the_pooled_runs():
     # TRL's runs rank 2nd, 5th and 6th of six: splits with a rank sum >= 13 are
     # {4,5,6}, {3,5,6}, {2,5,6}, {3,4,6}: 4 of 20
