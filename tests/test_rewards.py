@@ -155,6 +155,15 @@ def math_rows():
         return [json.loads(line) for line in f]
 
 
+@pytest.fixture
+def roomy_math_limits(monkeypatch):
+    """What math-verify answers, not how fast: its wall-clock limits (3 s an answer, 4 s a group)
+    raised, so a loaded machine does not fail a scoring test (the limits have their own tests)."""
+    monkeypatch.setattr(tasks, "MATH_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(tasks, "MATH_GROUP_BUDGET_S", 120.0)
+
+
+@pytest.mark.usefixtures("roomy_math_limits")
 def test_math_sample_solutions_score_themselves():
     rows = math_rows()
     assert len(rows) >= 50 and {"problem", "solution", "answer"} <= set(rows[0])
@@ -195,6 +204,7 @@ def test_math_sample_solutions_score_themselves():
     (r"It is \boxed{3}. No wait: \boxed{2}", "2", 1.0),  # two boxes: the last is the answer
     (r"It is \boxed{2}. No wait: \boxed{3}", "2", 0.0),
 ])
+@pytest.mark.usefixtures("roomy_math_limits")
 def test_math_reward_equivalent_answers(completion, reference, expected):
     assert math_reward(completion, reference) == expected
 
