@@ -358,7 +358,10 @@ def test_what_a_bucket_writer_plants_ahead_of_the_trainer_does_not_end_the_run(r
         for k in (2, 3):
             os.makedirs(os.path.join(s.bucket, "metrics", f"step-{step + k:06d}.json"))
         os.makedirs(os.path.join(s.bucket, "adapters", f"v{version + 2:06d}", "adapter_model.safetensors"))
-        own = sync.versions(b)[-1]  # a version of the trainer's: its files, its manifest with other tags
+        # a version of the trainer's: its files, its manifest with other tags (the newest with a
+        # manifest: the frozen trainer may have written v{version + 1}'s files and not yet its own)
+        own = next(v for v in reversed(sync.versions(b))
+                   if b.read(f"adapters/v{v:06d}/manifest.json") is not None)
         manifest = json.loads(b.read(f"adapters/v{own:06d}/manifest.json"))
         for name in manifest["files"]:
             b.write(f"adapters/v{version + 3:06d}/{name}", b.read(f"adapters/v{own:06d}/{name}"))
