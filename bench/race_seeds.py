@@ -43,7 +43,7 @@ import race_stats  # noqa: E402
 
 SIDES = {"trl": "TRL `GRPOTrainer`", "ours-trl-settings": "ours, `MAX_STALENESS=0`, `keep`",
          "ours-defaults": "ours, local defaults (`MAX_STALENESS=2`, `sampler`)",
-         "ours-defaults-50-steps": "ours, local defaults, `STEPS=50` (the 30 synchronous steps' time)",
+         "ours-defaults-50-steps": "ours, local defaults, `STEPS=50` (the synchronous 30's time)",
          "ours-trainer-transformers-sampling": "ours' trainer, transformers' sampling (swap)"}
 
 
