@@ -105,7 +105,7 @@ def _chunk_logprobs(logits, ids, temperature):
     return picked - torch.logsumexp(logits, dim=-1)  # (b, T)  log_softmax(x)_i = x_i - logsumexp(x)
 
 
-def token_logprobs(logits, ids, temperature=1.0, chunk_rows=4):
+def token_logprobs(logits, ids, temperature=DEFAULTS["temperature"], chunk_rows=4):
     """Log-probs of `ids` under `logits`, without a second (B, T, V) float tensor.
 
     logits: (B, T, V), where logits[b, t] is the distribution that produced ids[b, t] (the caller

@@ -44,10 +44,11 @@ import threading
 from support.cli import proxy_args
 from support.contract import (CONTRACT, INDEX, MAX_COMPLETIONS, MAX_INT, MAX_NAME, NAME,
                               ConfigError, check_contract, check_fields, validate_rollouts)
+from support.defaults import DEFAULTS  # serve()'s keywords: proxy.py's flags' defaults
 from support.http_hardening import ApiError, check, parse_query, query_int, query_seconds
 from support.proxy_service import (LIMITS, ProxyHandler, ProxyServer, body_limit, check_service,
                                    read_reports, replica_token, run_until_done, settle)
-from support.worker_bounds import MAX_WORKER_SHARE, GuardedBuffer
+from support.worker_bounds import GuardedBuffer
 
 log = logging.getLogger("proxy")
 
@@ -304,11 +305,14 @@ class Routes(ProxyHandler):
         return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
 
 
-def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_body_mb=None,
-          token=None, rollout_token=None, request_timeout=30.0, max_connections=256,
-          lease_timeout=120.0, log_every=60.0, max_worker_share=MAX_WORKER_SHARE, **contract):
-    """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1].
-    **contract: CONTRACT's keys (GET /config serves them)"""
+def serve(host=DEFAULTS["host"], port=0, max_groups=DEFAULTS["max_groups"],
+          max_buffer_mb=DEFAULTS["max_buffer_mb"], max_body_mb=None, token=None,
+          rollout_token=None, request_timeout=DEFAULTS["request_timeout"],
+          max_connections=DEFAULTS["max_connections"], lease_timeout=DEFAULTS["lease_timeout"],
+          log_every=60.0, max_worker_share=DEFAULTS["max_worker_share"], **contract):
+    """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1]
+    (port 0: any free one). The keywords: proxy.py's flags; **contract: CONTRACT's keys (GET
+    /config serves them)."""
     token, rollout_token = token or None, rollout_token or None
     check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
                   request_timeout, max_connections, max_worker_share)  # ConfigError: what to change
@@ -327,7 +331,7 @@ def serve(host="127.0.0.1", port=0, max_groups=4096, max_buffer_mb=1024, max_bod
 
 
 def main(argv=None):
-    args = vars(proxy_args(argv))  # support/cli.py: every flag, with its help
+    args = vars(proxy_args(argv))  # support/cli.py: the flags, from support/defaults.py's rows
     if worker := args.pop("print_replica_token"):
         if not args["rollout_token"] or not NAME[0](worker):
             sys.exit("proxy.py: error: --print-replica-token needs ROLLOUT_TOKEN (or "

@@ -320,7 +320,7 @@ def eval_adapter(args):
 
 
 def main(argv=None):
-    args = replica_args(argv)  # support/cli.py: every flag, with its help
+    args = replica_args(argv)  # support/cli.py: the flags, from support/defaults.py's rows
     try:
         # the dataset and the reward functions, loaded before anything starts (support/rewards.py)
         task = make_task(task_spec(args, DEFAULTS["task"]), args.data)

@@ -40,7 +40,7 @@ Where this departs from the GRPO paper (DeepSeekMath) and TRL's GRPOTrainer:
    advantage, so with beta = 0 they are not even forwarded, but their tokens stay in the
    normaliser; a step of only such groups still applies AdamW's momentum, as TRL's does). The
    proxy's --zero-variance drop gives DAPO's dynamic sampling instead.
-5. --lr-scheduler-type linear (TRL's default) or constant, no warmup; AdamW, no weight decay.
+5. --lr-scheduler-type linear (TRL's default) or constant, no warmup; AdamW, --weight-decay 0.
 6. The reference policy for --beta > 0 is the base model, i.e. the same weights with the adapter
    disabled (what TRL does with PEFT), not a frozen copy of a starting checkpoint.
 7. `truncated` counts the completions that ended without EOS (finish_reason "length", or cut at
@@ -120,7 +120,7 @@ def flatten_groups(groups, max_completion_length):
 # runs plain_logprobs_fast (support/shared_prompt.py): the same values and gradients, each
 # group's prompt forwarded once (test_shared_prompt.py); --fsdp: plain_logprobs (support/fsdp.py)
 
-def plain_logprobs(model, seqs, idx, temperature=1.0):
+def plain_logprobs(model, seqs, idx, temperature=DEFAULTS["temperature"]):
     """Log-probs (n, C) of the completion tokens of rows idx: each row [pad.. prompt | completion
     ..pad] in one forward, its prompt computed once per completion. Garbage on padding."""
     P = max(len(seqs[i]["prompt_ids"]) for i in idx)
@@ -155,10 +155,10 @@ def completion_tensors(seqs, idx, device):
 def compute_loss_and_backward(model, seqs, advantages, microbatches,
                               loss_type=DEFAULTS["loss_type"], epsilon=DEFAULTS["epsilon"],
                               epsilon_high=None, beta=DEFAULTS["beta"], max_completion_length=None,
-                              temperature=1.0, delta=None, version=None,
+                              temperature=DEFAULTS["temperature"], delta=None, version=None,
                               use_bias_correction_kl=DEFAULTS["use_bias_correction_kl"],
-                              mask_truncated_completions=False, correction=None, forward=None,
-                              record=None):
+                              mask_truncated_completions=DEFAULTS["mask_truncated_completions"],
+                              correction=None, forward=None, record=None):
     """Accumulate the step's GRPO gradient over the micro-batches; return the step's loss and stats.
 
     Each micro-batch's loss is weighted (grpo_loss.microbatch_weight) so that the sum is the loss

@@ -28,25 +28,12 @@ class ConfigError(ValueError):
 
 # ---- the contract
 
-# The settings every role must share (TRL's names), and their defaults: the proxy's rows of
+# The settings every role must share (TRL's names), and their defaults: the "contract" rows of
 # support/defaults.py. proxy.py takes them as flags; rollout.py and trainer.py read them from
 # GET /config, so a run cannot disagree with itself.
-CONTRACT = {r.name: r.type(r.default) for r in TABLE if r.role == "proxy"}
+CONTRACT = {r.name: r.type(r.default) for r in TABLE if r.role == "contract"}
 CONTRACT["max_new_tokens"] = CONTRACT["max_completion_length"]  # its old name, kept equal to it
 OLD_NAMES = {"max_new_tokens": "max_completion_length"}  # still a flag, served, and accepted
-CONTRACT_HELP = {
-    "num_generations": "completions per prompt, G",
-    "groups_per_step": "groups the trainer takes per optimizer step, B",
-    "max_staleness": "a group of version v is usable while trainer_version - v <= this "
-                     "(0: synchronous)",
-    "temperature": "sampling temperature (the trainer divides its logits by it)",
-    "max_completion_length": "longest completion, in tokens (old name: --max-new-tokens)",
-    "zero_variance": "groups with equal rewards: keep (they count toward a step, as TRL) or drop "
-                     "(DAPO)",
-    "max_prompt_length": "longest prompt a group may carry, in tokens (TRL's old GRPOConfig name)",
-    "reward_range": f"LO HI: every reward lies in [LO, HI] (default: any finite number a reward "
-                    f"function returns, as TRL, within +-{REWARD_LIMIT:g} so that the squares in "
-                    "an std stay finite in float32; e.g. 0 1 for rewards that score 0 or 1)"}
 # The settings a role may also be given as flags, only to double-check GET /config (one that
 # disagrees is an error: ProxyClient.contract). Each role takes those it has.
 CONTRACT_FLAGS = ("num_generations", "groups_per_step", "max_staleness", "temperature",

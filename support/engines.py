@@ -57,7 +57,7 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model, max_lora_rank=8, max_loras=1, max_cpu_loras=2,
+    def __init__(self, model, max_lora_rank, max_loras=1, max_cpu_loras=2,
                  seed=DEFAULTS["seed"], max_model_len=None, gpu_memory_utilization=None,
                  dtype=None):
         import torch
@@ -193,7 +193,8 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = self.model.to(self.device).eval()
         if fast and self.model.config.model_type in FAST_MODEL_TYPES:
-            join_projections(self.model)  # q/k/v and gate/up each one tensor, for FastDecoder
+            # q/k/v and gate/up each one tensor for FastDecoder: the same weights, the same outputs
+            join_projections(self.model)  # (test_joined_projections_move_the_weights)
         eos = self.model.generation_config.eos_token_id
         eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id}
         self.eos_ids = sorted(eos_ids - {None})
@@ -226,10 +227,11 @@ class HFEngine:
         self.fast = self.fast and fast_decode_support(self.model) is None
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        """n Samples a prompt: ids to the first EOS, their log-probs, text, finish_reason.
-        From softmax(logits / T): ids cut at and including the first EOS, each id's log-prob, the
-        text, finish_reason "stop" (EOS) or "length". Each prompt's tokens are computed once, then
-        _decode (or _generate_plain) samples its n rows."""
+        """n Samples a prompt, the ones transformers' generate draws from softmax(logits / T),
+        seed for seed: ids cut at and including the first EOS, each id's log-prob, the text,
+        finish_reason "stop" (EOS) or "length". _decode (the packed loop) draws the same ids as
+        _generate_plain (transformers' generate), log-probs within 1e-4
+        (tests/test_engines.py::test_decode_loop_equals_generate_in_other_shapes)."""
         per_call = max(1, self.batch_size // n)
         sample = self._decode if self.fast else self._generate_plain
         results = []

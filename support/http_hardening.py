@@ -216,7 +216,7 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024  # socketserver's 5 drops connections when replicas reconnect at once
     BUSY = json.dumps({"error": "too many connections (--max-connections): retry later"}).encode()
 
-    def __init__(self, address, handler, max_connections=256):
+    def __init__(self, address, handler, max_connections):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.max_connections, self.reserve = max_connections, max(1, max_connections // 8)
         self.conns, self.lock = {}, threading.Lock()  # socket -> [class, busy]; oldest first

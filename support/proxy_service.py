@@ -153,7 +153,7 @@ class ProxyServer(http_hardening.Server):
     """http_hardening.Server with the run's buffer: a request goes to its ProxyHandler.
     Closing it wakes the long polls; a log line a minute."""
 
-    def __init__(self, address, handler, max_connections=256, log_every=60.0):
+    def __init__(self, address, handler, max_connections, log_every):
         self.buffer = handler.buffer
         self.log_every, self._last_log = log_every, time.monotonic()
         self._logged = self.buffer.stats()
@@ -200,7 +200,7 @@ def settle(contract):
 
 
 def check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
-                  request_timeout, max_connections, max_worker_share=1.0):
+                  request_timeout, max_connections, max_worker_share):
     """Raise ConfigError for serve() settings that cannot work or are unsafe: no token off
     loopback, a replicas' token without (or equal to) the trainer's, a limit <= 0, a worker
     share outside (0, 1], a setting the contract does not have."""

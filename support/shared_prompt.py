@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from support.defaults import DEFAULTS  # the temperature's: the run's
+
 
 def by_group(seqs, idx):
     """Sequence indices -> lists of them, one per group, in first-seen order."""
@@ -95,7 +97,7 @@ def collate(seqs, idx, device):
     return {k: t.to(device) for k, t in mb.items()}
 
 
-def plain_logprobs_fast(model, seqs, idx, token_logprobs, temperature=1.0):
+def plain_logprobs_fast(model, seqs, idx, token_logprobs, temperature=DEFAULTS["temperature"]):
     """trainer.plain_logprobs(model, seqs, idx, temperature), the same values and gradients
     (tests/test_shared_prompt.py), faster: each group's prompt goes through the model once, not
     once per completion (collate's layout, shared_prompt_logprobs's forward). token_logprobs is
@@ -104,7 +106,8 @@ def plain_logprobs_fast(model, seqs, idx, token_logprobs, temperature=1.0):
     return shared_prompt_logprobs(model, mb, token_logprobs, temperature)  # (n, C)
 
 
-def shared_prompt_logprobs(model, mb, token_logprobs, temperature=1.0):
+def shared_prompt_logprobs(model, mb, token_logprobs,
+                           temperature=DEFAULTS["temperature"]):
     """plain_logprobs_fast's forward: (n, C) log-probs of the completion tokens of micro-batch mb,
     in collate's layout (token_logprobs: grpo_loss.token_logprobs): prefix_ids (1, L) the
     prompts' common prefix, prompt_ids (k, P) the rest of each group's prompt (left-padded),

@@ -58,6 +58,7 @@ def build_model(model_name, lora_r=DEFAULTS["lora_r"], lora_alpha=DEFAULTS["lora
     base.config.use_cache = False
     targets = lora_target if lora_target == "all-linear" \
         else [t.strip() for t in lora_target.split(",")]
+    # no dropout: the trainer runs the model in eval mode (its log-probs are the sampler's policy)
     lora = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=targets,
                       task_type="CAUSAL_LM")
     torch.manual_seed(seed)
@@ -75,14 +76,14 @@ def saves_state(step, args):
 
 
 def make_optimizer(params, args):
-    """AdamW, no weight decay (departure 5); a resume state must match it (state_problem).
+    """AdamW with --weight-decay (0, TRL's default); a resume state must match it (state_problem).
     The gradients start at 0, not None: a first step whose groups all have equal rewards (no
     backward) still steps AdamW's count, as TRL's (whose backward makes zeros) does."""
     params = list(params)
     for p in params:
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
-    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
 
 
 # ---- the start of a run: the resume state, the model, the first version

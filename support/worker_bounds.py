@@ -34,9 +34,9 @@ import collections
 import math
 import time
 
+from support.defaults import DEFAULTS  # --max-groups, --lease-timeout, --max-worker-share's
 from support.http_hardening import RETRY_AFTER_S, ApiError
 
-MAX_WORKER_SHARE = 0.9  # --max-worker-share's default (docs/hostile-peers.md: why this number)
 MAX_WORKERS = 1024      # per-worker counters kept; further workers are counted under "(other)"
 # counted in total and per worker
 WORKER_COUNTS = ("accepted", "duplicates", "dropped_stale", "delivered", "over_quota")
@@ -73,8 +73,10 @@ class GuardedBuffer:
     Around it: the checks a hostile or broken peer meets, one worker's bounded share, the leases
     of an unequal pool, deliveries held until read, the counters of GET /stats."""
 
-    def __init__(self, core, max_groups=4096, max_bytes=2**30, remember_ids=1_000_000,
-                 lease_timeout=120.0, max_worker_share=MAX_WORKER_SHARE):
+    def __init__(self, core, max_groups=DEFAULTS["max_groups"],
+                 max_bytes=int(DEFAULTS["max_buffer_mb"] * 2**20), remember_ids=1_000_000,
+                 lease_timeout=DEFAULTS["lease_timeout"],
+                 max_worker_share=DEFAULTS["max_worker_share"]):
         self.core = core  # proxy.RolloutBuffer: its lock (cond) guards this state too
         self.max_groups, self.max_bytes, self.remember_ids = max_groups, max_bytes, remember_ids
         self.lease_timeout, self.max_worker_share = lease_timeout, max_worker_share

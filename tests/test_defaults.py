@@ -22,7 +22,8 @@ from support.contract import CONTRACT
 from support.defaults import DEFAULTS, TABLE, values
 from support.rewards import add_task_flags
 
-FLAGGED = {r.name for r in TABLE if r.role in ("trainer", "rollout", "trainer rollout", "proxy")}
+FLAGGED = {r.name for r in TABLE  # the rows a role takes as a flag
+           if {"contract", "trainer", "rollout", "proxy"} & set(r.role.split())}
 
 
 def literal_defaults(path):
@@ -50,40 +51,38 @@ def test_the_clis_take_their_defaults_from_the_table():
     proxy = vars(cli.proxy_args([]))
     checked = 0
     for r in TABLE:
-        for role, args in (("trainer", trainer), ("rollout", replica), ("proxy", proxy)):
+        for role, args in (("trainer", trainer), ("rollout", replica), ("contract", proxy),
+                           ("proxy", proxy)):
             if role in r.role.split() and r.name in args and r.name != "task":
                 assert args[r.name] == DEFAULTS[r.name], (role, r.name)
                 checked += 1
-    assert checked >= 15, checked
+    assert checked >= 60, checked
 
 
 def test_the_check_finds_a_literal_default(tmp_path):
     """The check above can fail: a flag of the table with its value written in the file."""
     f = tmp_path / "cli.py"
     f.write_text('a("--learning-rate", type=float, default=3e-4)\na("--epsilon", default=0.2)\n'
-                 'a("--replica-id", type=int, default=0)\nadd_task_flags(p, default_task="arith")\n')
+                 'a("--dtype", default="float32")\nadd_task_flags(p, default_task="arith")\n')
     assert literal_defaults(str(f)) == [("learning_rate", 3e-4), ("epsilon", 0.2),
-                                        ("task", "arith")]  # --replica-id: no row
+                                        ("task", "arith")]  # --dtype: no row
 
 
 def test_every_default_of_trainer_py_is_a_row_of_the_table():
     """Each trainer.py flag parses, given none, to its row's default: a flag added with a literal
     default fails here. Only these have no row: the three required flags, the contract's (None:
-    the proxy's, from GET /config), the switches (store_true: off unless given) and the task flags
-    (support/rewards.add_task_flags, with the replicas' row)."""
+    the proxy's, from GET /config) and the task flags (support/rewards.add_task_flags, with the
+    replicas' row)."""
     args = vars(cli.trainer_args(["--model", "m", "--bucket", "b", "--proxy", "p"]))
     task_parser = argparse.ArgumentParser()
     add_task_flags(task_parser)
     task_flags = vars(task_parser.parse_args([]))
-    contract = {r.name for r in TABLE if r.role == "proxy"}
-    switches = {"mask_truncated_completions", "gradient_checkpointing", "fsdp"}
+    contract = {r.name for r in TABLE if r.role == "contract"}
     for name, value in args.items():
         if name in ("model", "bucket", "proxy") or name in task_flags:
             continue
         if name in contract:
             assert value is None, name
-        elif name in switches:
-            assert value is False, name
         else:
             assert name in DEFAULTS, f"--{name.replace('_', '-')}: its default has no row"
             assert value == DEFAULTS[name], name
@@ -92,11 +91,12 @@ def test_every_default_of_trainer_py_is_a_row_of_the_table():
 # importance_sampling_ratio's short names for its rows
 ALIASES = {"mode": "vllm_importance_sampling_mode", "clip_max": "vllm_importance_sampling_clip_max",
            "clip_min": "vllm_importance_sampling_clip_min"}
-TRAINER_ROWS = {r.name for r in TABLE if "trainer" in r.role.split()}
+# every flag's row but --port: proxy.serve's port 0 (any free one) is a library's, not the CLI's
+ROWS = FLAGGED - {"port"}
 
 
 def literal_keyword_defaults(path):
-    """[(function, parameter, value)] of each parameter named as a trainer row (or by ALIASES)
+    """[(function, parameter, value)] of each parameter named as a flag's row (or by ALIASES)
     that a function in the file at path gives a literal default other than None (None: the
     caller gave none, e.g. policy_loss's delta, off as TRL's)."""
     found = []
@@ -107,7 +107,7 @@ def literal_keyword_defaults(path):
             node.args.kwonlyargs
         defaults = node.args.defaults + node.args.kw_defaults  # kw_defaults: None for none
         found += [(node.name, a.arg, d.value) for a, d in zip(params, defaults)
-                  if ALIASES.get(a.arg, a.arg) in TRAINER_ROWS and isinstance(d, ast.Constant)
+                  if ALIASES.get(a.arg, a.arg) in ROWS and isinstance(d, ast.Constant)
                   and d.value is not None]
     return found
 
@@ -115,10 +115,14 @@ def literal_keyword_defaults(path):
 @pytest.mark.parametrize("path", ["grpo_loss.py", "trainer.py",
                                   os.path.join("support", "step_record.py"),
                                   os.path.join("support", "trainer_state.py"),
-                                  os.path.join("support", "engines.py")])
+                                  os.path.join("support", "engines.py"), "proxy.py", "rollout.py",
+                                  os.path.join("support", "worker_bounds.py"),
+                                  os.path.join("support", "proxy_service.py"),
+                                  os.path.join("support", "http_hardening.py"),
+                                  os.path.join("support", "shared_prompt.py")])
 def test_the_keyword_defaults_are_the_tables(path):
-    """The loss's, the record's and the model's keywords repeat no default of the table: each
-    reads DEFAULTS (or has none)."""
+    """The loss's, the record's, the model's and the proxy's keywords repeat no default of the
+    table: each reads DEFAULTS (or has none)."""
     assert literal_keyword_defaults(os.path.join(ROOT, path)) == []
 
 
@@ -131,7 +135,7 @@ def test_the_keyword_check_finds_a_literal_default(tmp_path):
 
 
 def test_the_contract_is_the_proxy_rows():
-    rows = {r.name: DEFAULTS[r.name] for r in TABLE if r.role == "proxy"}
+    rows = {r.name: DEFAULTS[r.name] for r in TABLE if r.role == "contract"}
     assert CONTRACT == {**rows, "max_new_tokens": rows["max_completion_length"]}
     assert list(CONTRACT)[:len(rows)] == list(rows)  # GET /config's order
 
