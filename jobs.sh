@@ -224,6 +224,8 @@ $(tail -5 "$RUN/proxy.log")"
   start trainer env -u ROLLOUT_TOKEN MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 \
     "$PY" "${ARGS[@]}"
   local trainer_pid=$LAST_PID i secret=$ROLLOUT_TOKEN
+  # replica i's ROLLOUT_TOKEN is bound to its worker name replica-i: the proxy takes groups and
+  # quota asks for that name only (support/proxy_service.replica_token, via proxy.py)
   for ((i = 0; i < REPLICAS; i++)); do  # tokens travel in the environment, never on a command line
     rollout_args "$MODEL_PATH" "$BUCKET" "$url" "$i"; ROLLOUT_TOKEN=$(replica_token "replica-$i")
     start "rollout-$i" env -u PROXY_TOKEN "$PY" "${ARGS[@]}"; ROLLOUT_TOKEN=$secret

@@ -1,18 +1,15 @@
 """proxy.py — the hub of an async GRPO run, on the standard library: the run's settings, the
 rollout buffer, the trainer's version, the generation quota and the end of the run.
 
-The proxy's part of a GRPO step, in this file's order (its plain state: RolloutBuffer; the
-guard's bookkeeping: GuardedBuffer):
+The proxy's part of a GRPO step (README's numbers), in this file's order:
     4-5. the buffer   replicas POST groups (RolloutBuffer.add); the trainer takes B per step,
                       oldest first (RolloutBuffer.take, GET /batch)
     9-10. handshake   the trainer announces each adapter version (set_version, POST /version);
                       each replica asks how many groups to make (quota, GET /quota)
-RolloutBuffer is complete for valid groups from honest replicas. What a service on the internet
-adds around it, without a line inside it: support/worker_bounds.py's GuardedBuffer (the checks
-a hostile or broken peer meets, one worker's bounded share, the leases of an unequal pool paced
-by speed), support/proxy_service.py (credentials, HTTP), support/http_hardening.py. The contract
-(CONTRACT: the settings every role reads from GET /config) and the group record (GROUP):
-support/contract.py.
+RolloutBuffer is complete for valid groups from honest replicas. Around it, without a line
+inside it: support/worker_bounds.py's GuardedBuffer (what a hostile or broken peer meets, one
+worker's bounded share, the leases of an unequal pool), support/proxy_service.py and
+support/http_hardening.py (credentials, HTTP). The contract and the group record: contract.py.
 
     any token (the trainer's or a replica's):
     GET  /config    the contract          GET  /quota     a replica: how many groups to make now
@@ -255,14 +252,18 @@ class RolloutBuffer:
             self.cond.notify_all()
 
 
-# ---- SUPPORT: the routes that reach the buffer, serve() and main(), the wiring. The flags:
-# support/cli.py; credentials and the HTTP hardening: support/proxy_service.py
+# ---- SUPPORT: the routes that reach the buffer, serve() and main(). Credentials and HTTP
+# (support/proxy_service.py, support/http_hardening.py) hand a valid request to _route as sent
+# (tests/test_proxy.py::test_a_valid_run_passes_the_http_layer_as_sent)
 
 class Routes(ProxyHandler):
-    """ProxyHandler (the token, its bound worker, the errors) with the routes to the buffer."""
+    """ProxyHandler (the token, its bound worker, the errors) with the routes to the buffer:
+    serve()'s GuardedBuffer, RolloutBuffer's methods with the routes' arguments (limited, failed;
+    ack, answered with a delivery number), which change nothing of one replica's valid groups
+    (test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged)."""
 
     def _route(self, path, query):
-        b = self.buffer  # serve()'s GuardedBuffer around RolloutBuffer
+        b = self.buffer
         if path == "/rollouts":  # each group checked (400 naming the field) before anything
             body = self.read_json()
             groups = validate_rollouts(body, b.max_groups, b.contract)
@@ -305,14 +306,13 @@ class Routes(ProxyHandler):
         return b.contract if path == "/config" else b.stats() if path == "/stats" else {"ok": True}
 
 
-def serve(host=DEFAULTS["host"], port=0, max_groups=DEFAULTS["max_groups"],
-          max_buffer_mb=DEFAULTS["max_buffer_mb"], max_body_mb=None, token=None,
-          rollout_token=None, request_timeout=DEFAULTS["request_timeout"],
-          max_connections=DEFAULTS["max_connections"], lease_timeout=DEFAULTS["lease_timeout"],
-          log_every=60.0, max_worker_share=DEFAULTS["max_worker_share"], **contract):
+def serve(host=DEFAULTS["host"], port=0, max_groups=DEFAULTS["max_groups"], max_body_mb=None,
+          max_buffer_mb=DEFAULTS["max_buffer_mb"], token=None, rollout_token=None, log_every=60.0,
+          request_timeout=DEFAULTS["request_timeout"], max_connections=DEFAULTS["max_connections"],
+          lease_timeout=DEFAULTS["lease_timeout"], max_worker_share=DEFAULTS["max_worker_share"],
+          **contract):
     """Start the proxy in a daemon thread: (server, thread), its port server.server_address[1]
-    (port 0: any free one). The keywords: proxy.py's flags; **contract: CONTRACT's keys (GET
-    /config serves them)."""
+    (port 0: any free one). The keywords: proxy.py's flags; **contract: GET /config's."""
     token, rollout_token = token or None, rollout_token or None
     check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
                   request_timeout, max_connections, max_worker_share)  # ConfigError: what to change

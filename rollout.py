@@ -9,14 +9,15 @@
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m pytest -q \
         tests/test_rewards.py tests/test_rollout.py
 
-The replica's part of a GRPO step, in this file's order (Replica.step runs them, in a loop):
+The replica's part of a GRPO step, README's numbers, in this file's order (Replica.step runs
+them, in a loop):
     1. ask        GET /quota, a long poll: the proxy sees the trainer's version, the buffer and
                   the other replicas, and answers how many groups to make now (Replica.step)
-    2. reload     when the answer shows the trainer past the adapter in hand: read
+    10. reload    when the answer shows the trainer past the adapter in hand: read
                   adapters/LATEST, pull + verify + hot-load it, no engine restart (Replica.refresh)
-    3. sample     G completions per prompt, with the log-probs of the distribution sampled from
+    2. sample     G completions per prompt, with the log-probs of the distribution sampled from
                   (engine.generate: support/engines.py's VLLMEngine or HFEngine)
-    4. score+push a reward per completion: the run's reward functions, TRL's convention
+    3. score+push a reward per completion: the run's reward functions, TRL's convention
                   (support/rewards.py), the groups POSTed (Replica.batch)
 Then the start (run_replica: the run's settings from GET /config, the engine, adapter v0) and
 main(). Support, not needed to follow a step: the engines (support/engines.py), the flags
@@ -88,7 +89,7 @@ class Replica:
         print(f"[{self.worker}] {msg}", flush=True)
 
     def refresh(self):
-        """Step 2, the adapter watch: one small read of adapters/LATEST; pull and hot-load a newer
+        """Step 10, the adapter watch: one small read of adapters/LATEST; pull and hot-load a newer
         version, but never one the proxy has not heard of yet (its groups would be refused as from
         the future)."""
         latest = None
@@ -146,7 +147,7 @@ class Replica:
         return True
 
     def batch(self, n):
-        """Steps 3 and 4: generate, score and push n groups with the adapter in use."""
+        """Steps 2 and 3: generate, score and push n groups with the adapter in use."""
         args, t0 = self.args, time.time()
         idx = [next(self.order) for _ in range(n)]  # this replica's next n prompts
         self.prompts.update({i: templated(self.engine.tokenizer, self.items[i]["prompt"])
@@ -205,6 +206,8 @@ class Replica:
             self.log(f"train row {i} skipped: its prompt has {n} tokens, over the run's "
                      f"max_prompt_length {most} (proxy.py --max-prompt-length)")
         return n <= most
+
+    # ---- what the step's methods call aside: a failed refresh, the batch's log line
 
     def keep_serving(self, latest, e):
         """A refresh that failed (BucketError e): keep the adapter in hand (with none in

@@ -54,7 +54,8 @@ import threading
 import time
 
 # the backends (a directory, S3), the verified fetch, the trainer's resume state and metrics:
-# support/buckets.py (not needed to follow a hand-off)
+# support/buckets.py; with adapter_tags', not needed to follow a hand-off: what it asks of
+# them holds in a directory and S3 (tests/test_sync.py::test_publish_pull_round_trip)
 from support.buckets import (LATEST, MANIFEST, METRICS_KEY, RECORD_MAX_BYTES, BucketError,
                              DirBucket, Foreign, as_bucket, current_state_id, fetch_verified,
                              manifest_entry, open_bucket, parse_json, read_metrics, safe_name,

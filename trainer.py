@@ -106,7 +106,6 @@ def flatten_groups(groups, max_completion_length):
     support/contract.py (make_group builds it on the replica, the proxy checked it field by field).
     "group" is the group's index in `groups`: the completions of a group share its prompt in the
     forward (make_microbatches)."""
-    # proxy-checked: G completions, a log-prob per id
     return [{"prompt_ids": list(g["prompt_ids"]), "ids": list(c["ids"][:max_completion_length]),
              "logprobs": list(c["logprobs"][:max_completion_length]), "reward": float(c["reward"]),
              "policy_version": int(g["policy_version"]), "group": k,  # truncated: no EOS (TRL's)
@@ -297,8 +296,9 @@ def train(args, ranks=ONE_PROCESS):
     # what the model takes, announced with every version: the proxy refuses other groups (400)
     vocab_size = model.get_input_embeddings().num_embeddings
     client.set_limits(vocab_size=vocab_size, context_length=run.limits["context"])
-    task_rewards = TaskRewards(args.task, args.data, args.model)  # on for a deterministic task
-    # what the trainer does not trust, checked where groups arrive: the others named and reported
+    task_rewards = TaskRewards(args.task, args.data, args.model)  # on with --task (jobs.sh's)
+    # where groups arrive: valid groups pass unchanged, in order; the others are dropped and
+    # reported (test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults)
     usable_groups = UsableGroups(client, vocab_size, task_rewards, **run.limits)
 
     def publish_and_save(version, save):

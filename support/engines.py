@@ -1,4 +1,4 @@
-"""The engines behind rollout.py's step 3: vLLM, and transformers + peft with a fast decode loop.
+"""The engines behind README's step 2 (rollout.py): vLLM, and transformers + peft, own decode loop.
 
     python bench/bench_generate.py  # tokens/s and the fraction of the compute floor, per method
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_engines.py
@@ -248,6 +248,9 @@ class HFEngine:
             # rows are prompt-major: n per prompt
             results += [samples[k: k + n] for k in range(0, len(samples), n)]
         return results
+
+    # ---- generate's inside: the packed decode loop and transformers' generate, which it equals
+    # (test_decode_loop_equals_generate_in_other_shapes); not needed to follow a step
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
         """What _generate_plain computes, by hand: the prompts' cache and their last token's

@@ -1,4 +1,4 @@
-"""The shared-prompt forward of trainer.py's step 3: the same log-probs and gradients as
+"""The shared-prompt forward of README's step 7 (trainer.py): the same log-probs and gradients as
 trainer.plain_logprobs (tests/test_shared_prompt.py checks them equal), each prompt forwarded
 once per group instead of once per completion; and the micro-batches of whole groups it needs.
 

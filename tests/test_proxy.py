@@ -1360,6 +1360,34 @@ def test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged(c
     assert sum(len(out[0]) for call, out in trace[id(plain)] if call == "take") >= 24
 
 
+def test_a_valid_run_passes_the_http_layer_as_sent(proxy):
+    """What proxy.py's routes leave to support/proxy_service.py and support/http_hardening.py (the
+    tokens, a replica's bound credential, the JSON body, the query's numbers) changes nothing
+    valid: over HTTP, a replica with its credential asks its quota and POSTs its groups, the
+    trainer with its token announces versions and takes them, and every answer is the one the
+    same calls on a RolloutBuffer alone give; the groups come back field for field as POSTed."""
+    settings = dict(num_generations=2, max_staleness=2, groups_per_step=2)
+    url, _ = proxy(token=TOKEN, rollout_token=REPLICA_TOKEN, **settings)
+    trainer, replica = ProxyClient(url, token=TOKEN), replica_client(url, "replica-0")
+    plain = RolloutBuffer(settings)
+    made = 0
+    for v in range(4):
+        trainer.set_version(v)
+        plain.set_version(v)
+        for _ in range(2):
+            q = replica.quota("replica-0", v, 100, timeout=0)
+            assert q == plain.quota("replica-0", v, 100, 0), (v, q)
+            groups = [make_group(f"g{made + i}", v, "replica-0") for i in range(q["groups"])]
+            made += len(groups)
+            if groups:
+                answer = replica.post_rollouts(groups)
+                assert {k: n for k, n in answer.items() if k not in ("duplicates", "over_quota")} \
+                    == plain.add(groups), answer
+        got, want = trainer.get_batch(2, timeout=0), plain.take(2, 0)
+        assert (got["groups"], got["trainer_version"]) == want[:2]
+    assert made >= 8
+
+
 def test_one_replicas_long_poll_waits_and_wakes_the_same_plain_and_guarded():
     """The waits as well as the answers: a poll with nothing to lease waits (RolloutBuffer's
     cond.wait_for; GuardedBuffer's _wait_until) through the step's take, the trainer's next

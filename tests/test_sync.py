@@ -59,6 +59,10 @@ def test_empty_bucket(bucket_url, tmp_path):
 
 
 def test_publish_pull_round_trip(bucket_url, tmp_path):
+    """What sync.py's hand-off asks of support/buckets.py and support/adapter_tags.py, in a
+    directory and in S3: publish writes the files, then the manifest with each file's sha256 and
+    size, then LATEST; latest_version reads it; a pull hands out the published bytes, verified
+    (a corrupted local copy is fetched again, a verified one costs no transfer)."""
     content = make_adapter(tmp_path / "a0")
     manifest = sync.publish_adapter(bucket_url, str(tmp_path / "a0"), 0, base_model="tiny", step=0)
     assert manifest["version"] == 0 and manifest["base_model"] == "tiny" and manifest["step"] == 0
