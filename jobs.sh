@@ -176,6 +176,8 @@ run_local() {
   # /quota, /config, /stats only). Nothing else on the machine can feed or drain this proxy.
   # Each replica gets ROLLOUT_TOKEN bound to its worker name (proxy.py --print-replica-token).
   export PROXY_TOKEN=${PROXY_TOKEN:-$(new_token)} ROLLOUT_TOKEN=${ROLLOUT_TOKEN:-$(new_token)}
+  # ADAPTER_KEY and TRAINER_STATE_KEY stay unset unless you export them (Jobs sets both:
+  # run_secrets): here adapters, LATEST and the resume state are neither tagged nor checked.
   local PY=$ROOT/.venv/bin/python t0=$SECONDS url=http://127.0.0.1:$PROXY_PORT PYH
   host_python
   # Another run's proxy may already answer on this port; this run must not attach to it.

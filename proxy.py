@@ -257,9 +257,10 @@ class RolloutBuffer:
 # (tests/test_proxy.py::test_a_valid_run_passes_the_http_layer_as_sent)
 
 class Routes(ProxyHandler):
-    """ProxyHandler (the token, its bound worker, the errors) with the routes to the buffer:
-    serve()'s GuardedBuffer, RolloutBuffer's methods with the routes' arguments (limited, failed;
-    ack, answered with a delivery number), which change nothing of one replica's valid groups
+    """ProxyHandler (the token, its bound worker, the errors) with the routes to the buffer b,
+    serve()'s GuardedBuffer: RolloutBuffer's add and take plus a pool's bookkeeping (add's
+    `limited`: a replica's credential, its groups count against its lease, and `failed`; take's
+    `ack`, and a delivery number back), with the same answers to one replica's valid groups
     (test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged)."""
 
     def _route(self, path, query):
@@ -273,7 +274,6 @@ class Routes(ProxyHandler):
             failed = (body["worker"], body["reward_errors"]) if body.get("reward_errors") else None
             if failed:
                 self._check_worker(failed[0], "worker")
-            # a replica's credential: its groups count against its lease
             return b.add(groups, limited=self.bound is not None, failed=failed)
         if path == "/batch":
             q = parse_query(query, {"groups": None, "timeout": "0", "ack": ""})

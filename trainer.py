@@ -212,7 +212,7 @@ def compute_loss_and_backward(model, seqs, advantages, microbatches,
         record.add(idx, mask, loss.item() * weight, stats,  # the step's statistics, per row:
                    grpo_loss.offpolicy_stats(logps, sampled, mask, correction),
                    weights["off_policy_mask"])
-    out = record.result()
+    out = record.result()  # the statistics, and "loss": the sum of the loss * weight added above
     out["finite"] = math.isfinite(out["loss"]) and grpo_loss.all_finite(  # each on its own device
         [p.grad for p in model.parameters() if p.requires_grad])
     return out

@@ -110,7 +110,7 @@ def check_fields(d, where, schema):
 
 def validate_group(g, contract, where="group"):
     """Raise ApiError naming the first bad field of one group, or a setting that differs from the
-    run's. The length may come under its old name, max_new_tokens, beside or instead of
+    run's; a valid group: nothing (validate_rollouts' test). The length may come under its old name, max_new_tokens, beside or instead of
     max_completion_length: each checked under the name it came as."""
     check(type(g) is dict, where, "must be a JSON object")
     schema = {**GROUP, **{k: v for k, v in GROUP_OPTIONAL.items() if k in g}}
@@ -170,7 +170,8 @@ def check_model_limits(g, contract, where):
 
 
 def validate_rollouts(payload, max_groups, contract):
-    """The groups of a valid POST /rollouts body, as posted; else ApiError naming the field.
+    """The groups of a valid POST /rollouts body, as posted; else ApiError naming the field
+    (tests/test_proxy.py::test_a_valid_run_passes_the_http_layer_as_sent: as posted).
     Every one checked before anything is changed (a group with the length's old name,
     max_new_tokens, is handed out with it; tests/test_proxy.py's 400s). Optional:
     `reward_errors`, the groups its replica dropped because a reward function failed on them,

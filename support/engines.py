@@ -119,54 +119,6 @@ class VLLMEngine:
                                  use_tqdm=False)
 
 
-# ---- the hf engine's sampler
-
-def draw_tokens(logits, temperature):
-    """One token per row from softmax(logits / T), by a two-level inverse CDF: a block of
-    SAMPLER_BLOCK entries with probability its mass, then a token in it with probability its share
-    of the block (two uniforms per row). Only sums over the vocabulary, no full cumulative sum in
-    float64 (~7 ms a step at 32 x 49152 on one thread here). The plain version:
-    torch.multinomial(torch.softmax(logits / T, -1), 1). Returns (picked, logps), both (rows,):
-    the ids and their log-probs under softmax(logits / T)."""
-    import torch
-    import torch.nn.functional as F
-
-    logits = logits.float()  # (rows, V) no copy in fp32
-    rows, V = logits.shape
-    top = logits.amax(-1, keepdim=True)  # (rows, 1) the largest logit; of logits / T: top / T
-    z = logits - top  # (rows, V) a new tensor: logits stay as they are
-    z = z if temperature == 1.0 else z.div_(temperature)  # (rows, V) (logits - top) / T
-    e = z.exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
-    if V % SAMPLER_BLOCK:
-        e = F.pad(e, (0, -V % SAMPLER_BLOCK))  # (rows, nb * S) zeros at the end
-    blocks = e.view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
-    mass = blocks.sum(-1).double()  # (rows, nb)
-    cdf = mass.cumsum(-1)  # (rows, nb)
-    u = torch.rand(rows, 2, dtype=torch.float64, device=z.device)  # (rows, 2)
-    block = torch.searchsorted(cdf, u[:, :1] * cdf[:, -1:], right=True)  # (rows, 1)
-    block = block.clamp(max=cdf.shape[1] - 1)  # (rows, 1)
-    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLER_BLOCK))  # (rows, 1, S)
-    inner = inside[:, 0].double().cumsum(-1)  # (rows, S)
-    at = torch.searchsorted(inner, u[:, 1:] * inner[:, -1:], right=True)  # (rows, 1)
-    picked = (block * SAMPLER_BLOCK + at.clamp(max=SAMPLER_BLOCK - 1)).squeeze(1)  # (rows,)
-    # log softmax(logits / T)[picked] = (logits[picked] - top) / T - log(sum of e)
-    z_picked = (logits.gather(1, picked[:, None]) - top).squeeze(1) / temperature  # (rows,)
-    logps = z_picked - mass.sum(-1).log().float()  # (rows,)
-    return picked, logps
-
-
-def inverse_cdf_sampler(temperature):
-    """draw_tokens as a logits processor for transformers' generate: the drawn token is the row's
-    only finite score, so that generate's greedy argmax picks it. out.logits stay the raw logits."""
-    import torch
-
-    def sample(input_ids, scores):  # scores: (rows, V) the raw logits of the next position
-        picked, _ = draw_tokens(scores, temperature)  # (rows,)
-        return torch.full_like(scores, -float("inf")).scatter_(1, picked[:, None], 0.0)
-
-    return sample
-
-
 # ---- the hf engine
 
 class HFEngine:
@@ -227,8 +179,8 @@ class HFEngine:
         self.fast = self.fast and fast_decode_support(self.model) is None
 
     def generate(self, prompt_ids_list, n, max_new_tokens, temperature):
-        """n Samples a prompt, the ones transformers' generate draws from softmax(logits / T),
-        seed for seed: ids cut at and including the first EOS, each id's log-prob, the text,
+        """n Samples a prompt, drawn from softmax(logits / T) as transformers' generate draws them.
+        Seed for seed: ids cut at and including the first EOS, each id's log-prob, the text,
         finish_reason "stop" (EOS) or "length". _decode (the packed loop) draws the same ids as
         _generate_plain (transformers' generate), log-probs within 1e-4
         (tests/test_engines.py::test_decode_loop_equals_generate_in_other_shapes)."""
@@ -249,8 +201,29 @@ class HFEngine:
             results += [samples[k: k + n] for k in range(0, len(samples), n)]
         return results
 
+    def _pad(self, prompt_ids_list):
+        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system
+        prompt) first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the
+        prefix's length."""
+        shortest = min(map(len, prompt_ids_list))
+        L = min(len(os.path.commonprefix(prompt_ids_list)), shortest - 1)  # rests >= 1 token
+        width = max(map(len, prompt_ids_list))
+        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:])
+               for p in prompt_ids_list]
+        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
+        ids = self.torch.tensor(ids, device=self.device)  # (P, W)
+        mask = self.torch.tensor(mask, device=self.device)  # (P, W)
+        return ids, mask, L
+
+    def _cut(self, row):
+        """Completion ids up to and including the first EOS; never judged by == pad (pad may be
+        EOS)."""
+        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
+        return (row, "length") if end is None else (row[:end], "stop")
+
     # ---- generate's inside: the packed decode loop and transformers' generate, which it equals
-    # (test_decode_loop_equals_generate_in_other_shapes); not needed to follow a step
+    # (test_decode_loop_equals_generate_in_other_shapes); then greedy (--eval). Not needed to
+    # follow a step
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
         """What _generate_plain computes, by hand: the prompts' cache and their last token's
@@ -309,40 +282,6 @@ class HFEngine:
              for t, step in enumerate(out.logits)], dim=1)  # (P*n, T)
         return new, token_logps
 
-    def greedy(self, prompt_ids_list, max_new_tokens):
-        """The most likely completion of each prompt (--eval): _decode at temperature 0, or
-        transformers' greedy generate (the same texts)."""
-        texts = []
-        for start in range(0, len(prompt_ids_list), self.batch_size):
-            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W)
-            with self.torch.inference_mode():
-                if self.fast:
-                    new, _ = self._decode(ids, mask, L, 1, max_new_tokens, 0.0)  # (B, T)
-                else:
-                    out = self.model.generate(
-                        input_ids=ids, attention_mask=mask, do_sample=False,
-                        past_key_values=self._prefill(ids, mask, L, 1),
-                        max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-                        pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
-                    new = out[:, ids.shape[1]:]  # (B, T)
-            completions = [self._cut(row)[0] for row in new.tolist()]
-            texts += [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return texts
-
-    def _pad(self, prompt_ids_list):
-        """Rows [common prefix | pad.. rest]: the prompts' common prefix (a chat template's system
-        prompt) first, then each prompt's rest, left-padded. Returns ids, mask (P, W) and L, the
-        prefix's length."""
-        shortest = min(map(len, prompt_ids_list))
-        L = min(len(os.path.commonprefix(prompt_ids_list)), shortest - 1)  # rests >= 1 token
-        width = max(map(len, prompt_ids_list))
-        ids = [list(p[:L]) + [self.pad_id] * (width - len(p)) + list(p[L:])
-               for p in prompt_ids_list]
-        mask = [[1] * L + [0] * (width - len(p)) + [1] * (len(p) - L) for p in prompt_ids_list]
-        ids = self.torch.tensor(ids, device=self.device)  # (P, W)
-        mask = self.torch.tensor(mask, device=self.device)  # (P, W)
-        return ids, mask, L
-
     def _prefill(self, ids, mask, L, n):
         """The KV cache of every prompt token but the last, each computed once (the common prefix
         for all prompts, then each one's rest) and repeated n times: num_return_sequences would
@@ -364,11 +303,74 @@ class HFEngine:
             cache.batch_repeat_interleave(n)
         return cache
 
-    def _cut(self, row):
-        """Completion ids up to and including the first EOS; never judged by == pad (pad may be
-        EOS)."""
-        end = next((i + 1 for i, tok in enumerate(row) if tok in self.eos_ids), None)
-        return (row, "length") if end is None else (row[:end], "stop")
+    def greedy(self, prompt_ids_list, max_new_tokens):
+        """The most likely completion of each prompt (--eval): _decode at temperature 0, or
+        transformers' greedy generate (the same texts)."""
+        texts = []
+        for start in range(0, len(prompt_ids_list), self.batch_size):
+            ids, mask, L = self._pad(prompt_ids_list[start: start + self.batch_size])  # (B, W)
+            with self.torch.inference_mode():
+                if self.fast:
+                    new, _ = self._decode(ids, mask, L, 1, max_new_tokens, 0.0)  # (B, T)
+                else:
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=mask, do_sample=False,
+                        past_key_values=self._prefill(ids, mask, L, 1),
+                        max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                        pad_token_id=self.pad_id, **self.PLAIN)  # (B, W + T)
+                    new = out[:, ids.shape[1]:]  # (B, T)
+            completions = [self._cut(row)[0] for row in new.tolist()]
+            texts += [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return texts
+
+
+# ---- the hf engine's sampler, inside HFEngine._decode and _generate_plain (not needed to follow
+# a step: test_draw_tokens_across_blocks)
+
+def draw_tokens(logits, temperature):
+    """One token per row from softmax(logits / T), by a two-level inverse CDF: a block of
+    SAMPLER_BLOCK entries with probability its mass, then a token in it with probability its share
+    of the block (two uniforms per row). Only sums over the vocabulary, no full cumulative sum in
+    float64 (~7 ms a step at 32 x 49152 on one thread here). The plain version:
+    torch.multinomial(torch.softmax(logits / T, -1), 1). Returns (picked, logps), both (rows,):
+    the ids and their log-probs under softmax(logits / T)."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = logits.float()  # (rows, V) no copy in fp32
+    rows, V = logits.shape
+    top = logits.amax(-1, keepdim=True)  # (rows, 1) the largest logit; of logits / T: top / T
+    z = logits - top  # (rows, V) a new tensor: logits stay as they are
+    z = z if temperature == 1.0 else z.div_(temperature)  # (rows, V) (logits - top) / T
+    e = z.exp_()  # (rows, V) unnormalised probabilities, the largest 1 (z overwritten)
+    if V % SAMPLER_BLOCK:
+        e = F.pad(e, (0, -V % SAMPLER_BLOCK))  # (rows, nb * S) zeros at the end
+    blocks = e.view(rows, -1, SAMPLER_BLOCK)  # (rows, nb, S)
+    mass = blocks.sum(-1).double()  # (rows, nb)
+    cdf = mass.cumsum(-1)  # (rows, nb)
+    u = torch.rand(rows, 2, dtype=torch.float64, device=z.device)  # (rows, 2)
+    block = torch.searchsorted(cdf, u[:, :1] * cdf[:, -1:], right=True)  # (rows, 1)
+    block = block.clamp(max=cdf.shape[1] - 1)  # (rows, 1)
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLER_BLOCK))  # (rows, 1, S)
+    inner = inside[:, 0].double().cumsum(-1)  # (rows, S)
+    at = torch.searchsorted(inner, u[:, 1:] * inner[:, -1:], right=True)  # (rows, 1)
+    picked = (block * SAMPLER_BLOCK + at.clamp(max=SAMPLER_BLOCK - 1)).squeeze(1)  # (rows,)
+    # log softmax(logits / T)[picked] = (logits[picked] - top) / T - log(sum of e)
+    z_picked = (logits.gather(1, picked[:, None]) - top).squeeze(1) / temperature  # (rows,)
+    logps = z_picked - mass.sum(-1).log().float()  # (rows,)
+    return picked, logps
+
+
+def inverse_cdf_sampler(temperature):
+    """draw_tokens as a logits processor for transformers' generate: the drawn token is the row's
+    only finite score, so that generate's greedy argmax picks it. out.logits stay the raw logits."""
+    import torch
+
+    def sample(input_ids, scores):  # scores: (rows, V) the raw logits of the next position
+        picked, _ = draw_tokens(scores, temperature)  # (rows,)
+        return torch.full_like(scores, -float("inf")).scatter_(1, picked[:, None], 0.0)
+
+    return sample
 
 
 # ---- which engine, and how it is built from rollout.py's flags

@@ -47,6 +47,7 @@ class ApiError(Exception):
 
 
 def check(ok, where, what):
+    """Nothing when ok; else ApiError "where: what" (a 400 naming the field)."""
     if not ok:
         raise ApiError(f"{where}: {what}")
 
@@ -87,6 +88,7 @@ def parse_query(query, spec):
 
 
 def query_int(q, key, lo, hi):
+    """The query's q[key] as an int in [lo, hi], written in plain digits; else ApiError."""
     v = q[key]
     check(v.isascii() and v.isdigit() and len(v) <= 12 and lo <= int(v) <= hi, key,
           f"must be an integer in [{lo}, {hi}]")

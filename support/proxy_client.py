@@ -142,6 +142,9 @@ class ProxyClient:
         return self._call("GET", "/stats")
 
     def _call(self, method, path, body=None, params=None, wait=0.0):
+        """The proxy's JSON answer to one request (body sent as JSON, params as the query);
+        retried while the proxy is unreachable, full (429) or busy (503), up to max_wait s; any
+        other error: ProxyError naming the call and what the proxy said."""
         rq, where = self._requests, f"{method} {self.url}{path}"
         try:
             data = None if body is None else json.dumps(body, allow_nan=False).encode()

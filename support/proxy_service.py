@@ -187,7 +187,8 @@ def body_limit(c):
 
 
 def settle(contract):
-    """The contract as given (a copy), its old names (max_new_tokens) under the new ones.
+    """The contract as given (a copy), its old names (max_new_tokens) under the new ones
+    (test_the_completion_length_goes_by_max_completion_length_and_its_old_name).
     A serve() call's settings, with a setting's old name (OLD_NAMES: max_new_tokens) set to the
     new one's value; given under both names, they must agree."""
     c = dict(contract)
@@ -201,9 +202,10 @@ def settle(contract):
 
 def check_service(host, token, rollout_token, contract, max_groups, max_buffer_mb, max_body_mb,
                   request_timeout, max_connections, max_worker_share):
-    """Raise ConfigError for serve() settings that cannot work or are unsafe: no token off
-    loopback, a replicas' token without (or equal to) the trainer's, a limit <= 0, a worker
-    share outside (0, 1], a setting the contract does not have."""
+    """Raise ConfigError for serve() settings that cannot work or are unsafe; nothing else: no
+    token off loopback, a replicas' token without (or equal to) the trainer's, a limit <= 0, a
+    worker share outside (0, 1], a setting the contract does not have
+    (test_cli_refuses_a_public_address_without_a_token_and_bad_settings)."""
     if not 0 < max_worker_share <= 1:
         raise ConfigError(f"--max-worker-share {max_worker_share:g} cannot work: it is the most "
                           "of a step one worker may supply, in (0, 1] (1: no bound)")
@@ -238,7 +240,8 @@ def trainer_signs(buf):
 
 def run_until_done(server, thread, linger, stats_file=None, trainer_timeout=None,
                    start_timeout=None):
-    """Serve until the run is over (trainer done and replicas told), then stop; nothing else.
+    """Serve until the run is over (trainer done and replicas told), then stop; nothing else
+    (test_cli_exits_by_itself_once_the_replicas_were_told_the_run_is_done).
     `python proxy.py`'s life after serve(): until the trainer is done and every replica was
     told (or nobody asked for `linger` s), SIGTERM or Ctrl-C; then stop and write the final
     /stats to stats_file.

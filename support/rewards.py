@@ -52,60 +52,6 @@ class RewardFuncError(Exception):
     """A reward function that failed on one group: its name and the row, and what it did."""
 
 
-def load_reward_funcs(specs):
-    """[(name, function)] for `path/to/file.py:function` or `module:function` (TRL's dotted
-    `module.function` too). Raises TaskError, before anything starts, for a file or module that
-    does not import or lacks the function."""
-    funcs = []
-    for spec in specs:
-        where, sep, name = spec.rpartition(":")
-        if not sep and "." in spec and not spec.endswith(".py"):  # TRL's my_lib.rewards.func
-            where, _, name = spec.rpartition(".")
-        if not where or not name:
-            raise TaskError(f"--reward-funcs {spec}: use path/to/file.py:function or "
-                            "module:function")
-        try:
-            module = import_rewards(where)
-        except TaskError as e:
-            raise TaskError(f"--reward-funcs {spec}: {e}") from None
-        except (Exception, SystemExit) as e:  # SyntaxError, ImportError, a raise at import
-            raise TaskError(f"--reward-funcs {spec}: {where} does not import "
-                            f"({type(e).__name__}: {str(e)[:300]}): fix the file or the module "
-                            "path") from None
-        fn = getattr(module, name, None)
-        if not callable(fn):
-            defined = [n for n, v in vars(module).items() if inspect.isfunction(v)
-                       and not n.startswith("_")][:10]
-            raise TaskError(f"--reward-funcs {spec}: {where} has no function {name!r} (its "
-                            f"functions: {defined})")
-        funcs.append((name, fn))
-    return funcs
-
-
-def import_rewards(where):
-    """The module of a --reward-funcs entry: a .py file, imported as a module of its own under a
-    name nothing else uses (its names never meet the package's: a `last_number` of its own
-    leaves support.tasks's alone), or an importable module path."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    if not os.path.isfile(where):
-        raise TaskError(f"no file {where} (a path from the current directory, {os.getcwd()})")
-    key = hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:12]
-    module_spec = importlib.util.spec_from_file_location(f"reward_file_{key}", where)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-def reward_source(fn):
-    """What identifies a function's code for the eval cache: its file's bytes, else its name."""
-    try:
-        with open(inspect.getsourcefile(fn), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except (TypeError, OSError):
-        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 def is_conversational(prompt):
     """TRL's test (trl.data_utils.is_conversational): a list of {"role", ...} messages."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) \
@@ -304,6 +250,63 @@ def task_spec(args, default_task=None):
     if not task and not args.dataset:
         return None
     return {**{k: getattr(args, k) for k in TASK_FLAGS}, "task": task}
+
+
+# ---- your own reward functions (--reward-funcs), loaded from a file or a module; a built-in
+# task's (--task arith) are support/tasks.py's
+
+def load_reward_funcs(specs):
+    """[(name, function)] for `path/to/file.py:function` or `module:function` (TRL's dotted
+    `module.function` too). Raises TaskError, before anything starts, for a file or module that
+    does not import or lacks the function."""
+    funcs = []
+    for spec in specs:
+        where, sep, name = spec.rpartition(":")
+        if not sep and "." in spec and not spec.endswith(".py"):  # TRL's my_lib.rewards.func
+            where, _, name = spec.rpartition(".")
+        if not where or not name:
+            raise TaskError(f"--reward-funcs {spec}: use path/to/file.py:function or "
+                            "module:function")
+        try:
+            module = import_rewards(where)
+        except TaskError as e:
+            raise TaskError(f"--reward-funcs {spec}: {e}") from None
+        except (Exception, SystemExit) as e:  # SyntaxError, ImportError, a raise at import
+            raise TaskError(f"--reward-funcs {spec}: {where} does not import "
+                            f"({type(e).__name__}: {str(e)[:300]}): fix the file or the module "
+                            "path") from None
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            defined = [n for n, v in vars(module).items() if inspect.isfunction(v)
+                       and not n.startswith("_")][:10]
+            raise TaskError(f"--reward-funcs {spec}: {where} has no function {name!r} (its "
+                            f"functions: {defined})")
+        funcs.append((name, fn))
+    return funcs
+
+
+def import_rewards(where):
+    """The module of a --reward-funcs entry: a .py file, imported as a module of its own under a
+    name nothing else uses (its names never meet the package's: a `last_number` of its own
+    leaves support.tasks's alone), or an importable module path."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    if not os.path.isfile(where):
+        raise TaskError(f"no file {where} (a path from the current directory, {os.getcwd()})")
+    key = hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(f"reward_file_{key}", where)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def reward_source(fn):
+    """What identifies a function's code for the eval cache: its file's bytes, else its name."""
+    try:
+        with open(inspect.getsourcefile(fn), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except (TypeError, OSError):
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def main(argv=None):

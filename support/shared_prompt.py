@@ -57,6 +57,18 @@ def pack_groups(seqs, max_tokens):
     return [[i for g in gs for i in g] for gs in batches]
 
 
+def plain_logprobs_fast(model, seqs, idx, token_logprobs, temperature=DEFAULTS["temperature"]):
+    """trainer.plain_logprobs(model, seqs, idx, temperature), the same values and gradients
+    (tests/test_shared_prompt.py), faster: each group's prompt goes through the model once, not
+    once per completion (collate's layout, shared_prompt_logprobs's forward). token_logprobs is
+    grpo_loss.token_logprobs (passed in: this package imports no role file)."""
+    mb = collate(seqs, idx, next(model.parameters()).device)
+    return shared_prompt_logprobs(model, mb, token_logprobs, temperature)  # (n, C)
+
+
+# ---- plain_logprobs_fast's inside: collate's layout and the forward (not needed to follow a
+# step: tests/test_shared_prompt.py::test_logprobs_equal_the_plain_forward)
+
 def collate(seqs, idx, device):
     """The tensors of the shared-prompt forward of rows idx: the prompts' common prefix once
     (prefix_ids, one row: a chat template's system prompt), the rest of each group's prompt once,
@@ -95,15 +107,6 @@ def collate(seqs, idx, device):
           "attention_mask": torch.cat([prompt_mask[row_prompt], mask.long()], 1),  # (n, L + P + C)
           "mask": mask}  # (n, C)
     return {k: t.to(device) for k, t in mb.items()}
-
-
-def plain_logprobs_fast(model, seqs, idx, token_logprobs, temperature=DEFAULTS["temperature"]):
-    """trainer.plain_logprobs(model, seqs, idx, temperature), the same values and gradients
-    (tests/test_shared_prompt.py), faster: each group's prompt goes through the model once, not
-    once per completion (collate's layout, shared_prompt_logprobs's forward). token_logprobs is
-    grpo_loss.token_logprobs (passed in: this package imports no role file)."""
-    mb = collate(seqs, idx, next(model.parameters()).device)
-    return shared_prompt_logprobs(model, mb, token_logprobs, temperature)  # (n, C)
 
 
 def shared_prompt_logprobs(model, mb, token_logprobs,

@@ -1,11 +1,12 @@
 """The trainer's model, its optimizer and its resume state: what trainer.py needs around the
-GRPO step. A fresh start (no state in the bucket): start_run's first docstring line says it all.
+GRPO step. A fresh start (no state in the bucket): resume_point's first docstring line.
 
     build_model, make_optimizer  the base model + a fresh LoRA; AdamW (departure 5)
-    start_run    everything before the first step: the resume state in the bucket (checked; with
-                 env TRAINER_STATE_KEY, authenticated, and refused when older than the newest
-                 this trainer saved), the model and AdamW restored from it, the first version
-                 (starting_version, after the trainer's own: numbers_to_follow), --report-to
+    start_run    everything before the first step: where the run starts, the model and AdamW
+                 (restored from the resume state if there is one), --report-to
+    resume_point the resume state in the bucket (checked; with env TRAINER_STATE_KEY,
+                 authenticated, and refused when older than the newest this trainer saved) and
+                 the first version (starting_version, after the trainer's own: numbers_to_follow)
     write_state  the resume state trainer.publish saves beside the adapter (state.pt, its HMAC)
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_trainer.py -q
@@ -89,48 +90,15 @@ def make_optimizer(params, args):
 # ---- the start of a run: the resume state, the model, the first version
 
 def start_run(args, bucket, contract):
-    """In an empty bucket: build_model's model, make_optimizer's AdamW, step 0, v0 to publish.
-    (tests/test_trainer.py's runs start so.) Everything before the first step.
-    Else it loads the resume state in the bucket (checked; with env TRAINER_STATE_KEY,
-    authenticated, and refused when older than the newest this trainer saved),
-    builds the model and AdamW and restores them from it, picks the first version
-    (starting_version, from the bucket's LATEST and version folders as numbers_to_follow reads
-    them), starts --report-to. Prints the run's first lines.
-    Returns a namespace: bucket, model, optimizer, step, version, must_publish, groups_consumed,
-    key, adapter_key (env ADAPTER_KEY), saved_step (the step of the newest resume state saved),
-    limits (what group_problem checks a group against), reporter."""
+    """Everything before the first step: where the run starts (resume_point: in an empty bucket
+    step 0 and v0 to publish), build_model's model and make_optimizer's AdamW, restored from the
+    resume state if there is one, and --report-to started. Returns a namespace: bucket, model,
+    optimizer, step, version, must_publish, groups_consumed, key, adapter_key (env ADAPTER_KEY),
+    saved_step (the step of the newest resume state saved), limits (what group_problem checks a
+    group against), reporter."""
     tmp, key = tempfile.TemporaryDirectory(), os.environ.get("TRAINER_STATE_KEY") or None
-    state_dir = load_trainer_state(bucket, tmp.name)
-    state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
-    probe = make_optimizer([torch.zeros(1)], args)  # this trainer's AdamW settings
-    if state is not None and (why := state_problem(state, probe)):
-        raise TrainerError(f"{bucket.url}/trainer: the resume state does not fit this trainer "
-                           f"({why}): not written by trainer.py? remove {bucket.url}/trainer to "
-                           "start fresh (and set TRAINER_STATE_KEY: an HMAC then shows who wrote "
-                           "it)")
-    where = f"{bucket.url}/trainer"
-    latest, seen, own = numbers_to_follow(bucket, key, state)
-    if state is not None and (why := older_than_saved(state, own)):
-        raise TrainerError(f"{where}: {why}: put back the newest trainer/ state, or remove {where} "
-                           "to start afresh")
-    print(f"resumed from step {state['step']}, version {state['version']} (state in {where})"
-          if state else f"starting fresh: no trainer state in {bucket.url}")
-    print(f"run settings from the proxy: {contract}")
-    version, must_publish = starting_version(state, latest, seen)
-    if version + max(0, args.max_steps - (state["step"] if state else 0)) >= MAX_VERSION:
-        raise TrainerError(no_room(bucket.url, version, args.max_steps, latest, seen, state))
-    if latest is not None and not state:
-        print(f"note: {bucket.url} already holds adapters up to v{latest}; this run starts at "
-              f"v{version}")
-    # --report-to: the trackio or wandb module (both have init/log/finish)
-    reporter, kind = None, args.report_to
-    if kind != "none":
-        try:
-            reporter = __import__(kind)
-        except ImportError:
-            raise TrainerError(f"--report-to {kind} needs the {kind} package: pip install {kind} "
-                               "(or --report-to none)")
-        reporter.init(project="async-grpo-lora", config=vars(args))
+    state, state_dir, version, must_publish = resume_point(args, bucket, contract, key, tmp.name)
+    reporter = start_reporter(args)
     random.seed(args.seed)
     model = build_model(args.model, args.lora_r, args.lora_alpha, args.lora_target, args.seed,
                         device="cpu" if args.fsdp else None)  # --fsdp: sharded in start_alike
@@ -156,6 +124,52 @@ def start_run(args, bucket, contract):
                            groups_consumed=groups_consumed, key=key, adapter_key=adapter_key(),
                            saved_step=state["step"] if state else None, limits=limits,
                            reporter=reporter)
+
+
+def resume_point(args, bucket, contract, key, tmp):
+    """(state, its folder, first version, publish it?): in an empty bucket (None, None, 0, True):
+    the run publishes v0 first (tests/test_trainer.py::test_run_learns_the_toy_task).
+    Else the resume state in the bucket, loaded into tmp and checked (with key, env
+    TRAINER_STATE_KEY: authenticated, and refused when older than the newest this trainer saved),
+    and the first version from the bucket's LATEST and version folders (starting_version, as
+    numbers_to_follow reads them). Prints the run's first lines."""
+    state_dir = load_trainer_state(bucket, tmp)
+    state = load_state(state_dir, key, bucket.url)  # authenticated with a key; checked in any case
+    probe = make_optimizer([torch.zeros(1)], args)  # this trainer's AdamW settings
+    if state is not None and (why := state_problem(state, probe)):
+        raise TrainerError(f"{bucket.url}/trainer: the resume state does not fit this trainer "
+                           f"({why}): not written by trainer.py? remove {bucket.url}/trainer to "
+                           "start fresh (and set TRAINER_STATE_KEY: an HMAC then shows who wrote "
+                           "it)")
+    where = f"{bucket.url}/trainer"
+    latest, seen, own = numbers_to_follow(bucket, key, state)
+    if state is not None and (why := older_than_saved(state, own)):
+        raise TrainerError(f"{where}: {why}: put back the newest trainer/ state, or remove {where} "
+                           "to start afresh")
+    print(f"resumed from step {state['step']}, version {state['version']} (state in {where})"
+          if state else f"starting fresh: no trainer state in {bucket.url}")
+    print(f"run settings from the proxy: {contract}")
+    version, must_publish = starting_version(state, latest, seen)
+    if version + max(0, args.max_steps - (state["step"] if state else 0)) >= MAX_VERSION:
+        raise TrainerError(no_room(bucket.url, version, args.max_steps, latest, seen, state))
+    if latest is not None and not state:
+        print(f"note: {bucket.url} already holds adapters up to v{latest}; this run starts at "
+              f"v{version}")
+    return state, state_dir, version, must_publish
+
+
+def start_reporter(args):
+    """--report-to: the trackio or wandb module (both have init/log/finish), started; none: None."""
+    kind = args.report_to
+    if kind == "none":
+        return None
+    try:
+        reporter = __import__(kind)
+    except ImportError:
+        raise TrainerError(f"--report-to {kind} needs the {kind} package: pip install {kind} "
+                           "(or --report-to none)")
+    reporter.init(project="async-grpo-lora", config=vars(args))
+    return reporter
 
 
 def restore_state(model, optimizer, state_dir, state):

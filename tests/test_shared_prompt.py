@@ -95,6 +95,8 @@ def lora_grads(model):
 
 
 def test_logprobs_equal_the_plain_forward(lora_model, seqs):
+    """plain_logprobs_fast gives trainer.plain_logprobs' log-probs, whatever the prompts share: a
+    common prefix, none, one prompt inside another."""
     # a common prefix (seqs), none (prompts that differ from their first token), one prompt inside another
     unshared = make_groups(lora_model, seed=1, prefix=0)
     nested = [dict(s, prompt_ids=seqs[G]["prompt_ids"][:PREFIX + 1]) if s["group"] == 0 else s for s in seqs]
