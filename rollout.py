@@ -187,8 +187,8 @@ class Replica:
             if failed:  # the proxy counts them off this replica's lease, and for the trainer
                 self.client.post_rollouts([], self.worker, failed)
             return None
-        # POSTs of at most groups_per_step groups: what the proxy's body limit is sized for (the
-        # first one says how many a reward function failed on: the trainer's step counts them)
+        # POSTs of at most groups_per_step groups (post_groups: take_contract sets it), what the
+        # proxy's body limit is sized for; the first says how many a reward function failed on
         k = self.args.post_groups
         replies = [self.client.post_rollouts(groups[i:i + k], self.worker, failed * (i == 0))
                    for i in range(0, len(groups), k)]

@@ -83,7 +83,8 @@ def parse_json(raw, where):
 # ---- the trainer's resume state, and its metrics records
 
 def save_trainer_state(bucket, local_dir):
-    """The files under local_dir become the bucket's trainer state (trainer/ID/, trainer/STATE).
+    """The files under local_dir become the bucket's trainer state (trainer/ID/, trainer/STATE)
+    (tests/test_sync.py::test_trainer_state_round_trip).
     Upload every file under local_dir to trainer/ID/ (+ manifest), switch trainer/STATE to ID,
     then delete older states: a crash at any point leaves the previous state loadable."""
     b, src = as_bucket(bucket), DirBucket(local_dir)
@@ -484,7 +485,8 @@ class S3Bucket(Bucket):
 # manifest, waiting out a mount's lag
 
 def fetch_verified(b, prefix, timeout, what, check=None):
-    """try_fetch, retried with backoff (50 ms .. 2 s) until all matches or timeout seconds passed.
+    """{name: bytes} of the files at prefix, each matching its manifest's sha256 and size, retried
+    with backoff (50 ms .. 2 s) until all match or timeout seconds passed (try_fetch).
     CorruptAdapter when the last look found other bytes than the manifest's, else BucketError.
     check(raw manifest) runs before any file is read (a replica's tag check: sync.pull_adapter)."""
     deadline, delay = time.monotonic() + timeout, 0.05

@@ -109,9 +109,10 @@ def check_fields(d, where, schema):
 
 
 def validate_group(g, contract, where="group"):
-    """Raise ApiError naming the first bad field of one group, or a setting that differs from the
-    run's; a valid group: nothing (validate_rollouts' test). The length may come under its old name, max_new_tokens, beside or instead of
-    max_completion_length: each checked under the name it came as."""
+    """Nothing for a valid group (validate_rollouts' test); else ApiError naming its first bad
+    field, or a setting that differs from the run's. The length may come under its old name,
+    max_new_tokens, beside or instead of max_completion_length: each checked under the name it
+    came as."""
     check(type(g) is dict, where, "must be a JSON object")
     schema = {**GROUP, **{k: v for k, v in GROUP_OPTIONAL.items() if k in g}}
     if "max_new_tokens" in g:

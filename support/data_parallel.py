@@ -217,7 +217,8 @@ ONE_PROCESS = Ranks(0, 1)
 
 
 def join_ranks(wait_timeout, bucket_retry, fsdp=False):
-    """ONE_PROCESS without torchrun's variables (nothing to set up); else this process's Ranks.
+    """ONE_PROCESS without torchrun's variables (nothing to set up: every test of one trainer
+    process runs so, e.g. test_run_learns_the_toy_task); else this process's Ranks.
     This process's Ranks: from torchrun's RANK, WORLD_SIZE, LOCAL_RANK (gloo on CPUs, nccl on
     GPUs, each rank on cuda:LOCAL_RANK), or ONE_PROCESS without them. A collective waits at most
     wait_timeout (0: NEVER_S) + bucket_retry + MARGIN_S seconds, then raises. fsdp (--fsdp): the

@@ -8,6 +8,8 @@ Both engines answer the same call:
     (ids, logprobs, text, finish_reason), sampled from softmax(logits / T)
     greedy(prompt_ids_list, max_new_tokens) -> one text per prompt (--eval)
     load_adapter(version, path): hot reload, no restart
+Which one runs: make_engine (--engine auto: vllm on a GPU, else hf; `bash jobs.sh --local` on a
+CPU runs HFEngine, below VLLMEngine).
 
 Decisions:
 1. Log-probs are those of the distribution actually sampled from: temperature applied, top_k=0,
@@ -226,12 +228,12 @@ class HFEngine:
     # follow a step
 
     def _decode(self, ids, mask, L, n, max_new_tokens, temperature):
-        """What _generate_plain computes, by hand: the prompts' cache and their last token's
-        logits from FastDecoder.prefill (each prompt token once, not n times), then one token per
-        step through FastDecoder.step (each prompt's cache read once for its n rows), drawn by
-        draw_tokens, until every row has an EOS or max_new_tokens. temperature 0: greedy, the most
-        likely token (as vLLM reads it). Returns the new ids and their log-probs, both (P*n, T);
-        no log-probs (None) when greedy."""
+        """The new ids (P*n, T) and their log-probs, as _generate_plain computes them, by hand:
+        the prompts' cache and their last token's logits from FastDecoder.prefill (each prompt
+        token once, not n times), then one token per step through FastDecoder.step (each
+        prompt's cache read once for its n rows), drawn by draw_tokens, until every row has an
+        EOS or max_new_tokens. temperature 0: greedy, the most likely token (as vLLM reads it);
+        then no log-probs (None)."""
         torch = self.torch
         P, W = ids.shape
         rows = P * n

@@ -327,6 +327,8 @@ class Packs:
 
     @staticmethod
     def usable(device, dtype):
+        """Whether MKL's packed weights can run here: fp32 on a CPU whose torch has MKL's packing
+        ops (then the same products, faster: test_packed_weights_sample_as_unpacked)."""
         import torch
 
         return (torch.device(device).type == "cpu" and dtype == torch.float32

@@ -44,7 +44,7 @@ class UsableGroups:
     rewards are not its task's (`rewards`: a reward_check.TaskRewards, or None) is named on
     stderr, counted (lap) and reported to the proxy (POST /reject), which gives it back to the
     step's quota and bans its worker: a drop never leaves the trainer waiting on a group nobody
-    makes."""
+    makes. The rest of this file: how (not needed to follow a step, by the test above)."""
 
     def __init__(self, client, vocab_size, rewards=None, **limits):
         self.client, self.vocab_size, self.limits = client, vocab_size, limits

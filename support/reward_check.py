@@ -29,9 +29,11 @@ from support.tasks import completion_text
 
 
 class TaskRewards:
-    """The reward check of one run: the task (rows and functions), the tokenizer, each row's
-    prompt ids (tokenized once), the workers caught with an unverifiable group, and the seconds
-    spent checking (lap). `task`: support/rewards.py's task_spec of the trainer's flags, or None."""
+    """The reward check of one run (UsableGroups calls its problem(group): None for an honest
+    group, test_honest_groups_pass_the_trainers_checks_unchanged_at_the_defaults): the task
+    (rows and functions), the tokenizer, each row's prompt ids (tokenized once), the workers
+    caught with an unverifiable group, and the seconds spent checking (lap). `task`:
+    support/rewards.py's task_spec of the trainer's flags, or None."""
 
     def __init__(self, task, data, model):
         self.task, self.prompts, self.caught, self.seconds = None, {}, set(), 0.0

@@ -27,7 +27,8 @@ def by_group(seqs, idx):
 
 
 def make_microbatches(seqs, max_tokens, at_least=1):
-    """Lists of row indices: whole groups, at most max_tokens each; every row once.
+    """Lists of row indices: whole groups, at most max_tokens each; every row once
+    (test_microbatches_hold_whole_groups_and_count_each_prompt_once).
     Split the step into micro-batches of whole groups, at most max_tokens each (padding counted,
     and each group's prompt once: k groups of n completions cost k * longest prompt + n * longest
     completion). Longest first, so that an out-of-memory shows on the first pass; a group over

@@ -192,7 +192,8 @@ class GuardedBuffer:
 
     def quota(self, worker, version, most, timeout):
         """RolloutBuffer.quota with a pool's rule (_quota); one replica that delivers what it is
-        leased, from its first ask: the same answers (the test in the module's docstring).
+        leased, from its first ask: the same answers
+        (test_valid_groups_from_one_replica_go_through_the_guarded_buffer_unchanged).
 
         Before it: 403 for a banned worker, 429 while the table of leases is full; a lease still
         owed keeps its groups and expiry, one that expired unfilled is charged (_default). Its

@@ -1523,6 +1523,8 @@ def test_cli_token_from_env_quiet_log_and_clean_exit():
 
 
 def test_cli_exits_by_itself_once_the_replicas_were_told_the_run_is_done():
+    """`python proxy.py` (run_until_done) serves on after the trainer's POST /done until every
+    replica that asked for a quota was told the run is over, then exits 0 by itself."""
     port = free_port()
     proc = _start_cli("--port", str(port), "--num-generations", "2", "--linger", "120")
     try:
@@ -1560,6 +1562,8 @@ def test_cli_exits_after_linger_quiet_seconds_when_a_replica_never_comes_back():
 
 
 def test_cli_refuses_a_public_address_without_a_token_and_bad_settings():
+    """check_service: settings that cannot work or are unsafe end `python proxy.py` with one line
+    saying what to change; valid ones (a public address with a token) serve."""
     port = free_port()
     proc = _start_cli("--host", "0.0.0.0", "--port", str(port))
     err = _exit_message(proc)

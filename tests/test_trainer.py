@@ -272,6 +272,9 @@ def test_truncated_means_ended_without_eos_as_trl_counts_it():
 
 
 def test_run_learns_the_toy_task(cluster, tiny_model):
+    """The three roles as processes on the tiny model, from an empty bucket: the trainer starts
+    fresh and publishes v0, then one version per step (24), the toy reward rises, the replica
+    hot-loads several versions and exits by itself; the last adapter loads with peft."""
     r = subprocess.run(cluster.cmd(24, "--save-every", "10"), cwd=ROOT, env=child_env(), capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
