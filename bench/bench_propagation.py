@@ -222,8 +222,11 @@ class Mirror:
             for key in set(self.seen) - set(now):
                 del self.seen[key]
                 self._schedule(key, None)
-            due = sorted(p for p in self.pending if p[0] <= time.time())
-            self.pending = [p for p in self.pending if p[0] > time.time()]
+            # one clock reading for both: with two, a change due between them was in neither list
+            # and never shown (an emulated job then waited for a LATEST it never saw)
+            t = time.time()
+            due = sorted(p for p in self.pending if p[0] <= t)
+            self.pending = [p for p in self.pending if p[0] > t]
             for _, seq, key, data in due:
                 self._apply(seq, key, data)
             time.sleep(0.05)
